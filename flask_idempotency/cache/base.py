@@ -1,0 +1,49 @@
+"""The response cache interface: copies of completed responses, never claims.
+
+A cache may be wiped or unreachable at any time; it only ever saves a trip to
+PostgreSQL. Implementations swallow their own errors (a failure is a miss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..store.base import StoredResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedRecord:
+    fingerprint: bytes
+    response: StoredResponse
+
+
+class ResponseCache(Protocol):
+    def get(self, record_key: bytes) -> CachedRecord | None: ...
+
+    def put(
+        self, record_key: bytes, fingerprint: bytes, response: StoredResponse, ttl: float
+    ) -> None: ...
+
+    def evict(self, record_keys: Sequence[bytes]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullCache:
+    """No cache: every request goes to PostgreSQL."""
+
+    def get(self, record_key: bytes) -> CachedRecord | None:
+        return None
+
+    def put(
+        self, record_key: bytes, fingerprint: bytes, response: StoredResponse, ttl: float
+    ) -> None:
+        return None
+
+    def evict(self, record_keys: Sequence[bytes]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,113 @@
+"""The extension's own error answers, as small ``HTTPException`` subclasses.
+
+Each renders the contract's JSON body, so an application's own error handlers
+for ``HTTPException`` (or for one of these classes) still take precedence.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from werkzeug.exceptions import HTTPException
+
+
+class IdempotencyError(HTTPException):
+    """Base class: a JSON error with ``type: idempotency_error`` and a stable ``error_code``."""
+
+    code = 400
+    error_code = "idempotency_error"
+    description = "Idempotency error."
+    #: Whole seconds for ``Retry-After``; ``None`` leaves the header out.
+    retry_after: int | None = None
+
+    def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
+        super().__init__(description)
+        if retry_after is not None:
+            self.retry_after = max(0, int(retry_after))
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "type": "idempotency_error",
+                "code": self.error_code,
+                "message": self.description,
+            }
+        }
+
+    def get_body(self, environ: Any = None, scope: Any = None) -> str:
+        return json.dumps(self.body())
+
+    def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
+        headers = [("Content-Type", "application/json")]
+        if self.retry_after is not None:
+            headers.append(("Retry-After", str(self.retry_after)))
+        return headers
+
+
+class MissingKey(IdempotencyError):
+    code = 400
+    error_code = "missing_key"
+    description = "This endpoint requires an Idempotency-Key header."
+
+
+class InvalidKey(IdempotencyError):
+    code = 400
+    error_code = "invalid_key"
+    description = "The Idempotency-Key must be 1 to 255 visible ASCII characters (0x21-0x7E)."
+
+
+class KeyReused(IdempotencyError):
+    code = 422
+    error_code = "key_reused"
+    description = (
+        "This Idempotency-Key was already used with a different request (method, path or body)."
+    )
+
+
+class RequestInProgress(IdempotencyError):
+    code = 409
+    error_code = "in_progress"
+    description = "A request with this Idempotency-Key is still being processed; retry later."
+    retry_after = 1
+
+
+class LeaseLost(IdempotencyError):
+    code = 409
+    error_code = "lease_lost"
+    description = (
+        "This request took longer than its lease and another request with the same "
+        "Idempotency-Key took over; nothing of this attempt was kept. Retry to get the result."
+    )
+    retry_after = 1
+
+
+class StoreUnavailable(IdempotencyError):
+    code = 503
+    error_code = "store_unavailable"
+    description = "The idempotency store is unavailable; the request was not processed."
+    retry_after = 1
+
+
+class ResponseTooLarge(IdempotencyError):
+    """The view answered with a body larger than the configured maximum to store.
+
+    Rather than answer without being able to replay (which would let a retry run
+    the operation twice), the attempt is rolled back and reported as a 500.
+    """
+
+    code = 500
+    error_code = "response_too_large"
+    description = "The response was too large to store for idempotent replay; nothing was kept."
+
+
+ALL_ERRORS: Iterable[type[IdempotencyError]] = (
+    MissingKey,
+    InvalidKey,
+    KeyReused,
+    RequestInProgress,
+    LeaseLost,
+    StoreUnavailable,
+    ResponseTooLarge,
+)

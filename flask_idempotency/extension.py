@@ -1,0 +1,380 @@
+"""The Flask layer: ``Idempotency``, its decorators, hooks and per-request state.
+
+The decorator claims the key (after the route's own authentication, which wraps
+it) and runs the view; ``after_request`` completes or releases the claim once
+the final response exists; ``teardown_request`` guarantees the claim and the
+connection are given back even when something raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar, overload
+
+from flask import Flask, Response, current_app, g, request
+from flask.typing import ResponseReturnValue
+from typing_extensions import ParamSpec
+
+from . import cli, flow, keys, responses
+from .cache import ResponseCache, cache_from_settings
+from .errors import (
+    IdempotencyError,
+    KeyReused,
+    LeaseLost,
+    RequestInProgress,
+    ResponseTooLarge,
+    StoreUnavailable,
+)
+from .lease import LeaseKeeper
+from .settings import FingerprintFunc, ScopeFunc, Settings, ShouldStore, settings_from_config
+from .store.base import (
+    Existing,
+    LeaseHold,
+    LeaseLostError,
+    StoreUnavailableError,
+)
+from .store.postgres import PostgresRequest, PostgresStore
+
+log = logging.getLogger("flask_idempotency")
+
+P = ParamSpec("P")
+R = TypeVar("R", bound=ResponseReturnValue)
+View = Callable[P, R]
+
+EXTENSION_KEY = "idempotency"
+
+
+@dataclasses.dataclass
+class IdempotencyState:
+    """Everything one app's extension owns; lives in ``app.extensions["idempotency"]``."""
+
+    settings: Settings
+    store: PostgresStore
+    cache: ResponseCache
+    keeper: LeaseKeeper
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteOptions:
+    """Per-route overrides given to the decorator; ``None`` means the app's setting."""
+
+    required: bool
+    ttl: float | None = None
+    lease: float | None = None
+    wait: float | None = None
+    should_store: ShouldStore | None = None
+    scope_func: ScopeFunc | None = None
+    fingerprint_func: FingerprintFunc | None = None
+
+
+@dataclasses.dataclass
+class RequestState:
+    """What one request holds between the decorator and the teardown (``g._idempotency``)."""
+
+    state: IdempotencyState
+    record_key: bytes
+    fingerprint: bytes
+    ttl: float
+    should_store: ShouldStore
+    tx: PostgresRequest | None = None
+    token: int | None = None
+    claimed_at: float = 0.0
+    replayed: bool = False
+    settled: bool = False
+
+
+class Idempotency:
+    """Idempotency-Key support for a Flask app, with PostgreSQL as the source of truth."""
+
+    def __init__(self, app: Flask | None = None) -> None:
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        if EXTENSION_KEY in app.extensions:
+            raise RuntimeError("flask_idempotency is already initialised on this app")
+        settings = settings_from_config(app.config.get_namespace("IDEMPOTENCY_"))
+        store = PostgresStore.from_settings(settings)
+        state = IdempotencyState(
+            settings=settings,
+            store=store,
+            cache=cache_from_settings(settings),
+            keeper=LeaseKeeper(store, settings.renew_interval),
+        )
+        app.extensions[EXTENSION_KEY] = state
+        app.after_request(_after_request)
+        app.teardown_request(_teardown_request)
+        app.cli.add_command(cli.group)
+        if settings.auto_migrate:
+            store.migrate(settings.migration_dirs)
+
+    # -- decorators ---------------------------------------------------------
+
+    @overload
+    def required(self, view: View[P, R], /) -> View[P, R | Response]: ...
+
+    @overload
+    def required(
+        self,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        should_store: ShouldStore | None = None,
+        scope_func: ScopeFunc | None = None,
+        fingerprint_func: FingerprintFunc | None = None,
+    ) -> Callable[[View[P, R]], View[P, R | Response]]: ...
+
+    def required(
+        self,
+        view: Any = None,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        should_store: ShouldStore | None = None,
+        scope_func: ScopeFunc | None = None,
+        fingerprint_func: FingerprintFunc | None = None,
+    ) -> Any:
+        """Require an Idempotency-Key (400 ``missing_key`` without one)."""
+        options = RouteOptions(True, ttl, lease, wait, should_store, scope_func, fingerprint_func)
+        return self._decorate(view, options)
+
+    @overload
+    def optional(self, view: View[P, R], /) -> View[P, R | Response]: ...
+
+    @overload
+    def optional(
+        self,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        should_store: ShouldStore | None = None,
+        scope_func: ScopeFunc | None = None,
+        fingerprint_func: FingerprintFunc | None = None,
+    ) -> Callable[[View[P, R]], View[P, R | Response]]: ...
+
+    def optional(
+        self,
+        view: Any = None,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        should_store: ShouldStore | None = None,
+        scope_func: ScopeFunc | None = None,
+        fingerprint_func: FingerprintFunc | None = None,
+    ) -> Any:
+        """Deduplicate when the client sends a key; run normally when it does not."""
+        options = RouteOptions(False, ttl, lease, wait, should_store, scope_func, fingerprint_func)
+        return self._decorate(view, options)
+
+    def _decorate(self, view: Any, options: RouteOptions) -> Any:
+        def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return _run_idempotent(options, fn, args, kwargs)
+
+            return wrapper
+
+        return decorator(view) if view is not None else decorator
+
+    # -- what views and applications use -------------------------------------
+
+    def connection(self) -> Any:
+        """The psycopg2 connection of the current idempotent request, inside the
+        transaction that will also store the response: write your business rows
+        here and they commit together with the idempotency record, or not at all.
+
+        Do not commit or roll back yourself; the extension does, after the view.
+        """
+        ctx = _request_state()
+        if ctx is None or ctx.tx is None or ctx.token is None:
+            raise RuntimeError("idempotency.connection() needs a running idempotent request")
+        try:
+            return ctx.tx.connection()
+        except StoreUnavailableError as exc:
+            raise StoreUnavailable(retry_after=ctx.state.settings.retry_after) from exc
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """A pooled connection in a transaction for routes outside idempotency;
+        committed on success, rolled back on an exception; 503 if unreachable."""
+        state = _app_state()
+        try:
+            with state.store.transaction() as conn:
+                yield conn
+        except StoreUnavailableError as exc:
+            raise StoreUnavailable(retry_after=state.settings.retry_after) from exc
+
+    def derived_key(self, purpose: str) -> str:
+        """A key for a downstream call, derived from this request's record (scope
+        and client key): a retry after a crash sends the same key again."""
+        ctx = _request_state()
+        if ctx is None:
+            raise RuntimeError("derived_key() needs a running idempotent request")
+        return keys.derived_key(ctx.record_key, purpose)
+
+    @property
+    def state(self) -> IdempotencyState:
+        return _app_state()
+
+
+def _app_state() -> IdempotencyState:
+    try:
+        state: IdempotencyState = current_app.extensions[EXTENSION_KEY]
+    except KeyError:
+        raise RuntimeError("flask_idempotency is not initialised on this app") from None
+    return state
+
+
+def _request_state() -> RequestState | None:
+    ctx: RequestState | None = g.get("_idempotency")
+    return ctx
+
+
+def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    state = _app_state()
+    settings = state.settings
+    key = keys.parse_key(request.headers.get(settings.key_header))
+    if key is None:
+        if options.required:
+            keys.require_key(None)
+        return current_app.ensure_sync(view)(*args, **kwargs)
+
+    scope_func = options.scope_func or settings.scope_func
+    fingerprint_func = options.fingerprint_func or settings.fingerprint_func
+    record_key = keys.record_key(scope_func(request), key)
+    fingerprint = fingerprint_func(request)
+    ctx = RequestState(
+        state=state,
+        record_key=record_key,
+        fingerprint=fingerprint,
+        ttl=options.ttl if options.ttl is not None else settings.ttl,
+        should_store=options.should_store or settings.should_store,
+    )
+    g._idempotency = ctx
+
+    cached = state.cache.get(record_key)
+    if cached is not None:
+        decision = flow.decide(
+            Existing("completed", cached.fingerprint, cached.response), fingerprint
+        )
+        if isinstance(decision, flow.Replay):
+            ctx.replayed = True
+            return responses.replay(decision.response)
+        raise KeyReused()
+
+    lease = options.lease if options.lease is not None else settings.lease
+    wait = options.wait if options.wait is not None else settings.wait
+    ctx.tx = state.store.begin()
+    decision, existing = _claim(ctx, lease)
+    deadline = time.monotonic() + wait
+    while _in_progress(decision) and time.monotonic() < deadline:
+        time.sleep(settings.wait_poll_interval)
+        decision, existing = _claim(ctx, lease)
+
+    if isinstance(decision, flow.Proceed):
+        ctx.token = decision.token
+        state.keeper.hold(LeaseHold(record_key, decision.token, lease))
+        return current_app.ensure_sync(view)(*args, **kwargs)
+
+    ctx.tx.close()
+    if isinstance(decision, flow.Replay):
+        ctx.replayed = True
+        if existing is not None and existing.ttl_remaining:
+            state.cache.put(record_key, fingerprint, decision.response, existing.ttl_remaining)
+        return responses.replay(decision.response)
+    if decision.reason is flow.Rejection.KEY_REUSED:
+        raise KeyReused()
+    lease_remaining = existing.lease_remaining if existing is not None else None
+    raise RequestInProgress(
+        retry_after=flow.retry_after_seconds(settings.retry_after, lease_remaining)
+    )
+
+
+def _in_progress(decision: flow.Decision) -> bool:
+    return isinstance(decision, flow.Reject) and decision.reason is flow.Rejection.IN_PROGRESS
+
+
+def _claim(ctx: RequestState, lease: float) -> tuple[flow.Decision, Existing | None]:
+    assert ctx.tx is not None
+    started = time.monotonic()
+    try:
+        result = ctx.tx.claim(ctx.record_key, ctx.fingerprint, lease=lease, ttl=ctx.ttl)
+    except StoreUnavailableError as exc:
+        log.error(
+            "idempotency: store unavailable for key %s: %s", keys.log_key(ctx.record_key), exc
+        )
+        raise StoreUnavailable(retry_after=ctx.state.settings.retry_after) from exc
+    ctx.claimed_at = started
+    return flow.decide(result, ctx.fingerprint), result if isinstance(result, Existing) else None
+
+
+def _after_request(response: Response) -> Response:
+    ctx = _request_state()
+    if ctx is None:
+        return response
+    if ctx.replayed:
+        response.headers[responses.REPLAYED_HEADER] = "true"
+        return response
+    if ctx.token is None or ctx.settled or ctx.tx is None:
+        return response
+    ctx.settled = True
+    state, tx, token = ctx.state, ctx.tx, ctx.token
+    state.keeper.drop(ctx.record_key, token)
+    label = keys.log_key(ctx.record_key)
+    try:
+        stored = responses.capture(response)
+        settlement = flow.settle(
+            stored.status, len(stored.body), ctx.should_store, state.settings.max_stored_body
+        )
+    except responses.NotStorable:
+        settlement = flow.Settlement.TOO_LARGE
+
+    if settlement is flow.Settlement.RELEASE:
+        tx.release(ctx.record_key, token)
+        response.headers[responses.REPLAYED_HEADER] = "false"
+        return response
+    if settlement is flow.Settlement.TOO_LARGE:
+        log.error("idempotency: response for key %s cannot be stored; rolled back", label)
+        tx.release(ctx.record_key, token)
+        return _error_response(ResponseTooLarge())
+
+    try:
+        tx.complete(ctx.record_key, token, stored)
+    except LeaseLostError:
+        log.warning("idempotency: lease lost for key %s; this attempt was rolled back", label)
+        return _error_response(LeaseLost(retry_after=state.settings.retry_after))
+    except StoreUnavailableError as exc:
+        log.error("idempotency: completion failed for key %s: %s", label, exc)
+        tx.release(ctx.record_key, token)
+        return _error_response(StoreUnavailable(retry_after=state.settings.retry_after))
+    remaining = ctx.ttl - (time.monotonic() - ctx.claimed_at)
+    state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
+    response.headers[responses.REPLAYED_HEADER] = "false"
+    return response
+
+
+def _error_response(error: IdempotencyError) -> Response:
+    """Render one of our errors from ``after_request``, where raising is too late."""
+    return Response(error.get_body(), error.code, error.get_headers())
+
+
+def _teardown_request(exc: BaseException | None) -> None:
+    ctx: RequestState | None = g.pop("_idempotency", None)
+    if ctx is None or ctx.tx is None:
+        return
+    if ctx.token is not None and not ctx.settled:
+        # The view raised past Flask's handlers (or after_request failed): nothing
+        # is stored, so a retry runs again.
+        ctx.settled = True
+        ctx.state.keeper.drop(ctx.record_key, ctx.token)
+        ctx.tx.release(ctx.record_key, ctx.token)
+    ctx.tx.close()

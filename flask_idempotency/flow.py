@@ -1,0 +1,79 @@
+"""The phases of an idempotent request, as pure functions over plain values.
+
+``decide`` turns what the store (or cache) said into one of a closed set of
+outcomes; ``settle`` decides what happens to a finished attempt. Neither does
+I/O nor touches Flask, so every row of the contract's table is testable alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+from .settings import ShouldStore
+from .store.base import Claimed, ClaimResult, StoredResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class Proceed:
+    """Run the view: the claim is ours under ``token``."""
+
+    token: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """Answer with the stored response; the view does not run."""
+
+    response: StoredResponse
+
+
+class Rejection(enum.Enum):
+    KEY_REUSED = "key_reused"
+    IN_PROGRESS = "in_progress"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reject:
+    """Answer with an error; the view does not run."""
+
+    reason: Rejection
+
+
+Decision = Proceed | Replay | Reject
+
+
+def decide(result: ClaimResult, fingerprint: bytes) -> Decision:
+    """A different request under a known key is a 422 before anything else (even
+    while the first is still running); then a finished record replays and a running
+    one is a 409."""
+    if isinstance(result, Claimed):
+        return Proceed(result.token)
+    if result.fingerprint != fingerprint:
+        return Reject(Rejection.KEY_REUSED)
+    if result.state == "completed" and result.response is not None:
+        return Replay(result.response)
+    return Reject(Rejection.IN_PROGRESS)
+
+
+class Settlement(enum.Enum):
+    COMPLETE = "complete"  # store the answer, commit the business transaction
+    RELEASE = "release"  # roll back, delete the claim: a retry runs again
+    TOO_LARGE = "too_large"  # would have been stored but cannot be: roll back, 500
+
+
+def settle(status: int, body_size: int, should_store: ShouldStore, max_body: int) -> Settlement:
+    if not should_store(status):
+        return Settlement.RELEASE
+    if body_size > max_body:
+        return Settlement.TOO_LARGE
+    return Settlement.COMPLETE
+
+
+def retry_after_seconds(configured: int, lease_remaining: float | None) -> int:
+    """Whole seconds for a 409: the configured hint, never past the lease's end
+    (when a takeover becomes possible), and at least one."""
+    if lease_remaining is None or lease_remaining <= 0:
+        return max(1, configured)
+    return max(1, min(configured, math.ceil(lease_remaining)))

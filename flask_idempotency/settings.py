@@ -1,0 +1,234 @@
+"""Configuration, read once from ``IDEMPOTENCY_*`` keys and validated at ``init_app``.
+
+Every key is documented here, next to its default, and repeated in the README.
+Bad values fail at start-up with a clear ``ValueError``, not on the first request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from flask import Request
+
+from .fingerprint import request_fingerprint
+from .keys import default_scope
+
+#: Statuses below 500 that mean "the request was not acted on": they are not
+#: stored, so a corrected retry under the same key runs (as at Stripe).
+NOT_STORED_STATUSES: frozenset[int] = frozenset({400, 401, 403, 404, 408, 409, 422, 425, 429})
+
+
+def default_should_store(status: int) -> bool:
+    """Store every final answer below 500 except those that mean "not acted on"."""
+    return status < 500 and status not in NOT_STORED_STATUSES
+
+
+ScopeFunc = Callable[[Request], str]
+FingerprintFunc = Callable[[Request], bytes]
+ShouldStore = Callable[[int], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    #: ``IDEMPOTENCY_DATABASE_URL``: libpq DSN or URL. Either this or ``POOL``.
+    database_url: str | None = None
+    #: ``IDEMPOTENCY_POOL``: an existing ``psycopg2.pool.AbstractConnectionPool`` to borrow from.
+    pool: Any = None
+    #: ``IDEMPOTENCY_POOL_SIZE``: connections per process; each in-flight request holds one.
+    pool_size: int = 10
+    #: ``IDEMPOTENCY_POOL_TIMEOUT``: seconds to wait for a free connection before a 503.
+    pool_timeout: float = 5.0
+    #: ``IDEMPOTENCY_CONNECT_TIMEOUT``: libpq connect timeout, seconds. Short, so an
+    #: unreachable database turns into a prompt 503 rather than a hung worker.
+    connect_timeout: int = 3
+    #: ``IDEMPOTENCY_CONNECT_KWARGS``: extra keyword arguments for ``psycopg2.connect``.
+    connect_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``IDEMPOTENCY_KEY_HEADER``: the request header carrying the client's key.
+    key_header: str = "Idempotency-Key"
+    #: ``IDEMPOTENCY_TTL``: seconds a record is kept and replayed (24 h, like Stripe).
+    ttl: float = 86400.0
+    #: ``IDEMPOTENCY_LEASE``: seconds a processing claim is held without renewal. Long
+    #: enough to cover a slow downstream call; a dead worker's key is free after it.
+    lease: float = 30.0
+    #: ``IDEMPOTENCY_LEASE_RENEW_INTERVAL``: seconds between renewals of in-flight
+    #: leases by the per-process keeper thread; ``None`` means lease / 3, ``0`` turns
+    #: renewal off (a request then must finish within one lease).
+    lease_renew_interval: float | None = None
+    #: ``IDEMPOTENCY_RETRY_AFTER``: whole seconds advertised on 409 and 503 answers.
+    retry_after: int = 1
+    #: ``IDEMPOTENCY_WAIT``: seconds a duplicate waits for the first request to finish
+    #: and replays it, instead of an immediate 409 (0 = answer 409 at once).
+    wait: float = 0.0
+    #: ``IDEMPOTENCY_WAIT_POLL_INTERVAL``: seconds between checks while waiting.
+    wait_poll_interval: float = 0.05
+    #: ``IDEMPOTENCY_SHOULD_STORE``: ``f(status) -> bool``, which answers are stored.
+    should_store: ShouldStore = default_should_store
+    #: ``IDEMPOTENCY_SCOPE_FUNC``: ``f(request) -> str``, the tenant a key belongs to.
+    scope_func: ScopeFunc = default_scope
+    #: ``IDEMPOTENCY_FINGERPRINT_FUNC``: ``f(request) -> bytes``, what "same request" means.
+    fingerprint_func: FingerprintFunc = request_fingerprint
+    #: ``IDEMPOTENCY_MAX_STORED_BODY``: largest response body stored, bytes.
+    max_stored_body: int = 1024 * 1024
+    #: ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT``: commit the claim with
+    #: ``synchronous_commit = off``. Safe (see README "Durability"): the claim is
+    #: visible to other sessions at once, and the business transaction's durable
+    #: commit flushes it; a claim lost in a database crash only re-opens a key
+    #: whose holder's connection died with the crash.
+    async_claim_commit: bool = True
+    #: ``IDEMPOTENCY_MIGRATION_DIRS``: extra directories of ``NNNN_name.sql`` files
+    #: applied by ``flask idempotency migrate`` after the extension's own schema.
+    migration_dirs: tuple[str, ...] = ()
+    #: ``IDEMPOTENCY_AUTO_MIGRATE``: apply migrations during ``init_app``.
+    auto_migrate: bool = False
+    #: ``IDEMPOTENCY_REDIS_URL``: Redis URL for the replay cache; off when unset.
+    redis_url: str | None = None
+    #: ``IDEMPOTENCY_REDIS``: an existing ``redis.Redis`` client instead of a URL.
+    redis: Any = None
+    #: ``IDEMPOTENCY_REDIS_PREFIX``: namespace of cache keys.
+    redis_prefix: str = "idempotency"
+    #: ``IDEMPOTENCY_REDIS_TIMEOUT``: socket and connect timeout, seconds. Tens of
+    #: milliseconds: a slow cache must cost less than going to PostgreSQL.
+    redis_timeout: float = 0.05
+    #: ``IDEMPOTENCY_REDIS_BREAKER_THRESHOLD``: consecutive failures that open the breaker.
+    redis_breaker_threshold: int = 3
+    #: ``IDEMPOTENCY_REDIS_BREAKER_COOLDOWN``: seconds Redis is skipped once open.
+    redis_breaker_cooldown: float = 5.0
+    #: ``IDEMPOTENCY_REDIS_COMPRESS_OVER``: bodies above this many bytes are zlib-compressed.
+    redis_compress_over: int = 4096
+
+    @property
+    def renew_interval(self) -> float:
+        if self.lease_renew_interval is None:
+            return self.lease / 3.0
+        return self.lease_renew_interval
+
+
+_SECONDS_FIELDS = {
+    "ttl",
+    "lease",
+    "lease_renew_interval",
+    "wait",
+    "wait_poll_interval",
+    "pool_timeout",
+    "redis_timeout",
+    "redis_breaker_cooldown",
+}
+_INT_FIELDS = {
+    "pool_size",
+    "connect_timeout",
+    "retry_after",
+    "max_stored_body",
+    "redis_breaker_threshold",
+    "redis_compress_over",
+}
+_BOOL_FIELDS = {"async_claim_commit", "auto_migrate"}
+_CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
+
+
+def _coerce_seconds(name: str, value: Any) -> float:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool):
+        raise ValueError(f"IDEMPOTENCY_{name.upper()} must be a number of seconds")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"IDEMPOTENCY_{name.upper()} must be a number of seconds, got {value!r}"
+        ) from None
+
+
+def _coerce_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"IDEMPOTENCY_{name.upper()} must be an integer")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"IDEMPOTENCY_{name.upper()} must be an integer, got {value!r}") from None
+
+
+def _coerce_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in {
+        "1",
+        "true",
+        "yes",
+        "on",
+        "0",
+        "false",
+        "no",
+        "off",
+    }:
+        return value.lower() in {"1", "true", "yes", "on"}
+    raise ValueError(f"IDEMPOTENCY_{name.upper()} must be a boolean, got {value!r}")
+
+
+def settings_from_config(config: Mapping[str, Any]) -> Settings:
+    """Build :class:`Settings` from a config namespace (``IDEMPOTENCY_`` prefix stripped)."""
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    values: dict[str, Any] = {}
+    for raw_name, value in config.items():
+        name = raw_name.lower()
+        if name not in fields:
+            raise ValueError(f"Unknown configuration key IDEMPOTENCY_{raw_name.upper()}")
+        if value is None and name not in _CALLABLE_FIELDS:
+            values[name] = None
+            continue
+        if name in _SECONDS_FIELDS:
+            values[name] = _coerce_seconds(name, value)
+        elif name in _INT_FIELDS:
+            values[name] = _coerce_int(name, value)
+        elif name in _BOOL_FIELDS:
+            values[name] = _coerce_bool(name, value)
+        elif name in _CALLABLE_FIELDS:
+            if not callable(value):
+                raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} must be callable")
+            values[name] = value
+        elif name == "migration_dirs":
+            values[name] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
+        else:
+            values[name] = value
+    for name in ("pool_size", "connect_timeout", "retry_after", "max_stored_body"):
+        if name in values and values[name] is None:
+            del values[name]
+    settings = Settings(**values)
+    validate(settings)
+    return settings
+
+
+def validate(settings: Settings) -> None:
+    if settings.database_url is None and settings.pool is None:
+        raise ValueError("Set IDEMPOTENCY_DATABASE_URL or IDEMPOTENCY_POOL")
+    if not settings.key_header or not settings.key_header.isascii():
+        raise ValueError("IDEMPOTENCY_KEY_HEADER must be a non-empty ASCII header name")
+    if settings.ttl <= 0:
+        raise ValueError("IDEMPOTENCY_TTL must be positive")
+    if settings.lease <= 0:
+        raise ValueError("IDEMPOTENCY_LEASE must be positive")
+    if settings.ttl < settings.lease:
+        raise ValueError("IDEMPOTENCY_TTL must be at least IDEMPOTENCY_LEASE")
+    interval = settings.renew_interval
+    if interval < 0 or (interval > 0 and interval >= settings.lease):
+        raise ValueError(
+            "IDEMPOTENCY_LEASE_RENEW_INTERVAL must be 0 (off) or shorter than IDEMPOTENCY_LEASE"
+        )
+    if settings.pool_size < 1:
+        raise ValueError("IDEMPOTENCY_POOL_SIZE must be at least 1")
+    if settings.pool_timeout <= 0 or settings.connect_timeout <= 0:
+        raise ValueError(
+            "IDEMPOTENCY_POOL_TIMEOUT and IDEMPOTENCY_CONNECT_TIMEOUT must be positive"
+        )
+    if settings.retry_after < 0:
+        raise ValueError("IDEMPOTENCY_RETRY_AFTER must not be negative")
+    if settings.wait < 0 or settings.wait_poll_interval <= 0:
+        raise ValueError("IDEMPOTENCY_WAIT must be >= 0 and IDEMPOTENCY_WAIT_POLL_INTERVAL > 0")
+    if settings.max_stored_body < 0:
+        raise ValueError("IDEMPOTENCY_MAX_STORED_BODY must not be negative")
+    if settings.redis_timeout <= 0 or settings.redis_breaker_threshold < 1:
+        raise ValueError(
+            "IDEMPOTENCY_REDIS_TIMEOUT must be positive and the breaker threshold >= 1"
+        )

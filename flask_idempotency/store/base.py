@@ -1,0 +1,119 @@
+"""The storage interface, in domain words, and the records it hands back.
+
+The decision logic (``flow.py``) and the Flask layer (``extension.py``) only
+see these types; driver errors are translated at the store's boundary into
+:class:`StoreUnavailableError` (the caller fails closed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+State = Literal["processing", "completed"]
+
+
+class StoreUnavailableError(Exception):
+    """The database could not be reached or failed: the request must not run."""
+
+
+class LeaseLostError(Exception):
+    """Our claim was taken over after its lease expired: our completion is refused."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredResponse:
+    """A response as data (never a pickled object): status, headers, body bytes."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Claimed:
+    """We own the key: run the view, then complete or release with ``token``."""
+
+    token: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Existing:
+    """Someone else owns (or owned) the key."""
+
+    state: State
+    fingerprint: bytes
+    response: StoredResponse | None
+    #: Seconds until a processing record's lease ends (may be negative).
+    lease_remaining: float | None = None
+    #: Seconds until the record expires (for caching a completed response).
+    ttl_remaining: float | None = None
+
+
+ClaimResult = Claimed | Existing
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseHold:
+    """One in-flight claim, as the lease keeper renews it."""
+
+    record_key: bytes
+    token: int
+    lease: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordInfo:
+    """What ``flask idempotency show`` prints about one record."""
+
+    state: State
+    created_at: datetime
+    expires_at: datetime
+    completed_at: datetime | None
+    lease_expires_at: datetime | None
+    status: int | None
+    body: bytes | None
+    headers: tuple[tuple[str, str], ...]
+    age_seconds: float
+    expired: bool
+
+
+class RequestTransaction(Protocol):
+    """The per-request handle: one pooled connection, claim to completion."""
+
+    def claim(
+        self, record_key: bytes, fingerprint: bytes, *, lease: float, ttl: float
+    ) -> ClaimResult: ...
+
+    def connection(self) -> Any: ...
+
+    def complete(self, record_key: bytes, token: int, response: StoredResponse) -> float: ...
+
+    def release(self, record_key: bytes, token: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Store(Protocol):
+    """What the extension needs from a durable store."""
+
+    def renew(self, holds: Sequence[LeaseHold]) -> int: ...
+
+    def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]: ...
+
+    def purge(self, batch_size: int) -> Iterator[list[bytes]]: ...
+
+    def count_expired(self) -> int: ...
+
+    def info(self, record_key: bytes) -> RecordInfo | None: ...
+
+    def unlock(self, record_key: bytes) -> bool: ...
+
+    def ping(self) -> None: ...
+
+    def transaction(self) -> AbstractContextManager[Any]: ...
+
+    def close(self) -> None: ...
