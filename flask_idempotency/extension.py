@@ -58,6 +58,12 @@ class IdempotencyState:
     cache: ResponseCache
     keeper: LeaseKeeper
 
+    def close(self) -> None:
+        """Stop the keeper and close the pool and cache (tests, app shutdown)."""
+        self.keeper.stop()
+        self.cache.close()
+        self.store.close()
+
 
 @dataclasses.dataclass(frozen=True)
 class RouteOptions:

@@ -1,0 +1,133 @@
+"""The pure parts: key parsing, fingerprints, decisions and settings validation."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from flask_idempotency import InvalidKey, MissingKey
+from flask_idempotency.fingerprint import canonical_body, fingerprint
+from flask_idempotency.flow import (
+    Proceed,
+    Reject,
+    Rejection,
+    Replay,
+    Settlement,
+    decide,
+    retry_after_seconds,
+    settle,
+)
+from flask_idempotency.keys import derived_key, log_key, parse_key, record_key, require_key
+from flask_idempotency.settings import default_should_store, settings_from_config
+from flask_idempotency.store.base import Claimed, Existing, StoredResponse
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("abc", "abc"),
+        ('"abc"', "abc"),
+        ('"a\\"b"', 'a"b'),
+        ('"a\\\\b"', "a\\b"),
+        ("!~", "!~"),
+        ("x" * 255, "x" * 255),
+        ('"', '"'),
+    ],
+)
+def test_valid_keys(raw: str, expected: str) -> None:
+    assert parse_key(raw) == expected
+
+
+@pytest.mark.parametrize(
+    "raw", ["", '""', "a b", "x" * 256, "\x7f", "a\x00", "é", '"a"b"', '"a\\b"', '"a b"']
+)
+def test_invalid_keys(raw: str) -> None:
+    with pytest.raises(InvalidKey):
+        parse_key(raw)
+
+
+def test_missing_key() -> None:
+    assert parse_key(None) is None
+    with pytest.raises(MissingKey):
+        require_key(None)
+
+
+def test_record_key_separates_scopes_and_is_unambiguous() -> None:
+    assert record_key("a", "k") != record_key("b", "k")
+    assert record_key("ab", "c") != record_key("a", "bc")
+    assert len(record_key("", "k")) == 32
+    assert "k" not in log_key(record_key("", "k"))
+    assert derived_key(record_key("a", "k"), "processor") != derived_key(
+        record_key("b", "k"), "processor"
+    )
+
+
+def test_json_canonical_form() -> None:
+    assert canonical_body("application/json", b'{"b":1, "a":2}') == canonical_body(
+        "application/json", b'{"a": 2,\n"b": 1}'
+    )
+    assert canonical_body("application/json", b'{"a":1500}') != canonical_body(
+        "application/json", b'{"a":1500.0}'
+    )
+    assert canonical_body("application/merge-patch+json", b'{"b":1,"a":2}') == b'{"a":2,"b":1}'
+    assert canonical_body("text/plain", b'{"b":1, "a":2}') == b'{"b":1, "a":2}'
+    assert canonical_body("application/json", b"{not json") == b"{not json"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert canonical_body("application/json", deep) == deep
+
+
+def test_fingerprint_covers_method_path_query_and_body() -> None:
+    base = fingerprint("POST", "/a", b"", "application/json", b"{}")
+    assert base == fingerprint("post", "/a", b"", "application/json", b"{ }")
+    assert base != fingerprint("PUT", "/a", b"", "application/json", b"{}")
+    assert base != fingerprint("POST", "/b", b"", "application/json", b"{}")
+    assert base != fingerprint("POST", "/a", b"x=1", "application/json", b"{}")
+    assert base != fingerprint("POST", "/a", b"", "application/json", b"[]")
+
+
+def test_decisions() -> None:
+    stored = StoredResponse(201, (("Content-Type", "application/json"),), b"{}")
+    fp = b"f" * 32
+    assert decide(Claimed(7), fp) == Proceed(7)
+    assert decide(Existing("completed", fp, stored), fp) == Replay(stored)
+    assert decide(Existing("processing", fp, None), fp) == Reject(Rejection.IN_PROGRESS)
+    other = b"o" * 32
+    assert decide(Existing("processing", other, None), fp) == Reject(Rejection.KEY_REUSED)
+    assert decide(Existing("completed", other, stored), fp) == Reject(Rejection.KEY_REUSED)
+
+
+def test_default_stored_statuses() -> None:
+    stored = [200, 201, 202, 204, 301, 302, 304, 402, 410, 418]
+    not_stored = [400, 401, 403, 404, 408, 409, 422, 425, 429, 500, 502, 503]
+    assert all(default_should_store(s) for s in stored)
+    assert not any(default_should_store(s) for s in not_stored)
+    assert settle(201, 10, default_should_store, 5) is Settlement.TOO_LARGE
+    assert settle(201, 10, default_should_store, 10) is Settlement.COMPLETE
+    assert settle(500, 10, default_should_store, 10) is Settlement.RELEASE
+
+
+def test_retry_after_bounds() -> None:
+    assert retry_after_seconds(1, 30.0) == 1
+    assert retry_after_seconds(60, 2.2) == 3
+    assert retry_after_seconds(0, None) == 1
+    assert retry_after_seconds(5, -3.0) == 5
+
+
+def test_settings_are_read_and_validated() -> None:
+    settings = settings_from_config(
+        {"database_url": "postgresql://x", "ttl": timedelta(hours=1), "lease": "10", "wait": 0}
+    )
+    assert settings.ttl == 3600 and settings.lease == 10 and settings.renew_interval == 10 / 3
+    for bad, message in [
+        ({}, "DATABASE_URL"),
+        ({"database_url": "x", "ttl": -1}, "TTL"),
+        ({"database_url": "x", "lease": "soon"}, "LEASE"),
+        ({"database_url": "x", "ttl": 5, "lease": 10}, "at least"),
+        ({"database_url": "x", "lease_renew_interval": 60}, "RENEW"),
+        ({"database_url": "x", "scope_func": "nope"}, "callable"),
+        ({"database_url": "x", "no_such_key": 1}, "Unknown"),
+        ({"database_url": "x", "auto_migrate": "maybe"}, "boolean"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            settings_from_config(bad)
