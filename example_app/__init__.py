@@ -1,0 +1,62 @@
+"""The example payments API (CONTRACT §2): flask-idempotency the way a payments team uses it.
+
+``create_app()`` reads the environment; tests pass ``test_config`` to override
+any key (``DATABASE_URL``, ``PROCESSOR_CLIENT`` for an in-process fake, any
+``IDEMPOTENCY_*``). ``wsgi.py`` serves it with gunicorn.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask
+
+from example_app import charges
+from example_app.auth import api_key_scope
+from example_app.config import apply_defaults, check_timeouts, config_from_env
+from example_app.embedded import embedded_database_url
+from example_app.errors import register_error_handlers
+from example_app.extensions import idempotency
+from example_app.processor_client import (
+    HttpProcessorClient,
+    InProcessProcessorClient,
+    ProcessorClient,
+    shared_processor,
+)
+
+__all__ = ["create_app", "idempotency"]
+
+
+def create_app(
+    test_config: Mapping[str, Any] | None = None, *, instance_path: str | None = None
+) -> Flask:
+    """Build the app; a bad configuration raises ``ValueError`` here, at start-up."""
+    app = Flask(__name__, instance_path=instance_path, instance_relative_config=True)
+    app.config.from_mapping(config_from_env(os.environ))
+    if test_config is not None:
+        app.config.from_mapping(test_config)
+    timeout = check_timeouts(app.config)
+    apply_defaults(app.config, api_key_scope)
+    if app.config.get("IDEMPOTENCY_DATABASE_URL") is None and not app.config.get(
+        "IDEMPOTENCY_POOL"
+    ):
+        app.config["IDEMPOTENCY_DATABASE_URL"] = embedded_database_url(app.instance_path)
+
+    app.extensions[charges.PROCESSOR_CLIENT_KEY] = _processor_client(app.config, timeout)
+    idempotency.init_app(app)  # migrates (IDEMPOTENCY_AUTO_MIGRATE) under a lock
+    register_error_handlers(app)
+    app.register_blueprint(charges.bp)
+    return app
+
+
+def _processor_client(config: Mapping[str, Any], timeout: float) -> ProcessorClient:
+    """``PROCESSOR_CLIENT`` if given; else HTTP to ``PROCESSOR_URL``; else the in-process fake."""
+    client: ProcessorClient | None = config.get("PROCESSOR_CLIENT")
+    if client is not None:
+        return client
+    url = config.get("PROCESSOR_URL")
+    if url:
+        return HttpProcessorClient(url, timeout)
+    return InProcessProcessorClient(shared_processor(), timeout)

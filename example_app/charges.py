@@ -1,0 +1,186 @@
+"""The payments API: create a charge once, however often the client retries.
+
+``POST /v1/charges`` calls the processor with a key derived from the idempotency
+record, then writes the charge on the extension's connection, so the charge row
+and the stored response commit together or not at all. A crash between the
+processor's answer and that commit leaves no row and no completion; the retry
+takes the record over after the lease and sends the same derived key, and the
+processor answers with the payment it already made instead of charging again.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from typing import Any
+
+import psycopg2
+import psycopg2.errors
+from flask import Blueprint, Response, current_app, jsonify, request, url_for
+from typing_extensions import assert_never
+
+from example_app.auth import current_owner, require_api_key
+from example_app.errors import json_error, resource_missing
+from example_app.extensions import idempotency
+from example_app.processor_client import (
+    Charged,
+    Declined,
+    ProcessorClient,
+    ProcessorUnavailable,
+)
+from example_app.schemas import ChargeRequest, load_charge_request, load_customer_query
+from flask_idempotency import LeaseLost, StoreUnavailable
+from flask_idempotency.store import StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("charges", __name__)
+
+PROCESSOR_CLIENT_KEY = "processor_client"
+
+#: ``created`` is whole Unix seconds, as in the answers; ``seq`` breaks ties.
+_CHARGE_COLUMNS = (
+    "id, amount, currency, customer, status, floor(extract(epoch FROM created_at))::bigint"
+)
+
+INSERT_CHARGE = f"""
+INSERT INTO charges (id, owner, customer, amount, currency, description, status, payment_id)
+VALUES (%s, %s, %s, %s, %s, %s, 'succeeded', %s)
+RETURNING {_CHARGE_COLUMNS}
+"""
+
+GET_CHARGE = f"SELECT {_CHARGE_COLUMNS} FROM charges WHERE id = %s AND owner = %s"
+
+#: Newest first by the ``created`` the client sees; within one second, creation order.
+LIST_CHARGES = f"""
+SELECT {_CHARGE_COLUMNS} FROM charges
+ WHERE owner = %s AND customer = %s
+ ORDER BY date_trunc('second', created_at) DESC, seq
+"""
+
+_CHARGE_ID = re.compile(r"ch_[0-9a-f]{24}\Z")
+
+
+def new_charge_id() -> str:
+    return "ch_" + secrets.token_hex(12)
+
+
+def charge_json(row: tuple[Any, ...]) -> dict[str, Any]:
+    charge_id, amount, currency, customer, status, created = row
+    return {
+        "id": charge_id,
+        "object": "charge",
+        "amount": int(amount),
+        "currency": currency,
+        "customer": customer,
+        "status": status,
+        "created": int(created),
+    }
+
+
+def _retry_after() -> int:
+    return idempotency.state.settings.retry_after
+
+
+def processor_client() -> ProcessorClient:
+    client: ProcessorClient = current_app.extensions[PROCESSOR_CLIENT_KEY]
+    return client
+
+
+@bp.post("/v1/charges")
+@require_api_key
+@idempotency.required
+def create_charge() -> Response:
+    charge = load_charge_request(request)
+    outcome = processor_client().charge(
+        idempotency.derived_key("processor"),
+        charge.amount,
+        charge.currency,
+        charge.customer,
+        charge.source,
+    )
+    match outcome:
+        case Charged(payment_id=payment_id):
+            return _record_charge(charge, payment_id)
+        case Declined():
+            # A final answer: stored by the extension and replayed to retries.
+            return json_error(402, "card_error", "card_declined", "The card was declined.")
+        case ProcessorUnavailable(reason=reason):
+            # Unknown outcome: a 5xx stores nothing, and a retry asks the processor
+            # again under the same derived key, which cannot charge twice.
+            log.warning("card processor unavailable: %s", reason)
+            return json_error(
+                502,
+                "api_error",
+                "processor_unavailable",
+                "The card processor did not answer; retry with the same Idempotency-Key.",
+            )
+        case _:
+            assert_never(outcome)
+
+
+def _record_charge(charge: ChargeRequest, payment_id: str) -> Response:
+    """Insert the charge in the transaction that will also store this answer."""
+    conn = idempotency.connection()
+    params = (
+        new_charge_id(),
+        current_owner(),
+        charge.customer,
+        charge.amount,
+        charge.currency,
+        charge.description,
+        payment_id,
+    )
+    try:
+        with conn.cursor() as cur:
+            cur.execute(INSERT_CHARGE, params)
+            row = cur.fetchone()
+    except psycopg2.errors.UniqueViolation as exc:
+        # Only the payment_id can clash: another attempt under this key (one that
+        # took the record over) already recorded this payment and committed.
+        raise LeaseLost(retry_after=_retry_after()) from exc
+    except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
+        raise StoreUnavailable(retry_after=_retry_after()) from exc
+    assert row is not None
+    body = charge_json(row)
+    response = jsonify(body)
+    response.status_code = 201
+    response.headers["Location"] = url_for("charges.get_charge", charge_id=body["id"])
+    return response
+
+
+@bp.get("/v1/charges/<charge_id>")
+@require_api_key
+def get_charge(charge_id: str) -> Response:
+    if not _CHARGE_ID.match(charge_id):
+        raise resource_missing()
+    with idempotency.transaction() as conn, conn.cursor() as cur:
+        cur.execute(GET_CHARGE, (charge_id, current_owner()))
+        row = cur.fetchone()
+    if row is None:
+        # Another API key's charge is as missing as one that never existed.
+        raise resource_missing()
+    return jsonify(charge_json(row))
+
+
+@bp.get("/v1/charges")
+@require_api_key
+def list_charges() -> Response:
+    customer = load_customer_query(request)
+    with idempotency.transaction() as conn, conn.cursor() as cur:
+        cur.execute(LIST_CHARGES, (current_owner(), customer))
+        rows = cur.fetchall()
+    return jsonify({"data": [charge_json(row) for row in rows]})
+
+
+@bp.get("/healthz")
+def healthz() -> Response | tuple[Response, int, dict[str, str]]:
+    """Up when PostgreSQL answers: without it no charge can be taken (fail closed)."""
+    try:
+        idempotency.state.store.ping()
+    except StoreUnavailableError:
+        retry_after = str(idempotency.state.settings.retry_after)
+        body = {"status": "unavailable", "postgres": "unreachable"}
+        return jsonify(body), 503, {"Retry-After": retry_after}
+    return jsonify({"status": "ok", "postgres": "ok"})
