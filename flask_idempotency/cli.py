@@ -112,6 +112,18 @@ def show(key: str, scope: str | None, authorization: str | None, show_body: bool
 
 
 @group.command()
+def stats() -> None:
+    """Table-wide figures: records by state, expired rows awaiting purge, stuck leases."""
+    state = _state()
+    try:
+        figures = state.store.stats()
+    except StoreUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for name, value in figures.items():
+        click.echo(f"{name}: {value:g}")
+
+
+@group.command()
 @click.argument("key")
 @scope_option
 @authorization_option

@@ -31,6 +31,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .lease import LeaseKeeper
+from .metrics import Metrics
 from .settings import FingerprintFunc, ScopeFunc, Settings, ShouldStore, settings_from_config
 from .store.base import (
     Existing,
@@ -57,6 +58,7 @@ class IdempotencyState:
     store: PostgresStore
     cache: ResponseCache
     keeper: LeaseKeeper
+    metrics: Metrics = dataclasses.field(default_factory=Metrics)
 
     def close(self) -> None:
         """Stop the keeper and close the pool and cache (tests, app shutdown)."""
@@ -227,6 +229,10 @@ class Idempotency:
             raise RuntimeError("derived_key() needs a running idempotent request")
         return keys.derived_key(ctx.record_key, purpose)
 
+    def metrics(self) -> dict[str, int]:
+        """This process's counters (see ``metrics.NAMES``) for the current app."""
+        return _app_state().metrics.snapshot()
+
     @property
     def state(self) -> IdempotencyState:
         return _app_state()
@@ -274,7 +280,9 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
         )
         if isinstance(decision, flow.Replay):
             ctx.replayed = True
+            state.metrics.inc("replayed_from_cache")
             return responses.replay(decision.response)
+        state.metrics.inc("key_reused")
         raise KeyReused()
 
     lease = options.lease if options.lease is not None else settings.lease
@@ -288,17 +296,21 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
 
     if isinstance(decision, flow.Proceed):
         ctx.token = decision.token
+        state.metrics.inc("executed")
         state.keeper.hold(LeaseHold(record_key, decision.token, lease))
         return current_app.ensure_sync(view)(*args, **kwargs)
 
     ctx.tx.close()
     if isinstance(decision, flow.Replay):
         ctx.replayed = True
+        state.metrics.inc("replayed_from_store")
         if existing is not None and existing.ttl_remaining:
             state.cache.put(record_key, fingerprint, decision.response, existing.ttl_remaining)
         return responses.replay(decision.response)
     if decision.reason is flow.Rejection.KEY_REUSED:
+        state.metrics.inc("key_reused")
         raise KeyReused()
+    state.metrics.inc("in_progress")
     lease_remaining = existing.lease_remaining if existing is not None else None
     raise RequestInProgress(
         retry_after=flow.retry_after_seconds(settings.retry_after, lease_remaining)
@@ -318,6 +330,7 @@ def _claim(ctx: RequestState, lease: float) -> tuple[flow.Decision, Existing | N
         log.error(
             "idempotency: store unavailable for key %s: %s", keys.log_key(ctx.record_key), exc
         )
+        ctx.state.metrics.inc("store_unavailable")
         raise StoreUnavailable(retry_after=ctx.state.settings.retry_after) from exc
     ctx.claimed_at = started
     return flow.decide(result, ctx.fingerprint), result if isinstance(result, Existing) else None
@@ -345,23 +358,28 @@ def _after_request(response: Response) -> Response:
         settlement = flow.Settlement.TOO_LARGE
 
     if settlement is flow.Settlement.RELEASE:
+        state.metrics.inc("released")
         tx.release(ctx.record_key, token)
         response.headers[responses.REPLAYED_HEADER] = "false"
         return response
     if settlement is flow.Settlement.TOO_LARGE:
         log.error("idempotency: response for key %s cannot be stored; rolled back", label)
+        state.metrics.inc("not_storable")
         tx.release(ctx.record_key, token)
         return _error_response(ResponseTooLarge())
 
     try:
         tx.complete(ctx.record_key, token, stored)
     except LeaseLostError:
+        state.metrics.inc("lease_lost")
         log.warning("idempotency: lease lost for key %s; this attempt was rolled back", label)
         return _error_response(LeaseLost(retry_after=state.settings.retry_after))
     except StoreUnavailableError as exc:
         log.error("idempotency: completion failed for key %s: %s", label, exc)
+        state.metrics.inc("store_unavailable")
         tx.release(ctx.record_key, token)
         return _error_response(StoreUnavailable(retry_after=state.settings.retry_after))
+    state.metrics.inc("completed")
     remaining = ctx.ttl - (time.monotonic() - ctx.claimed_at)
     state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
     response.headers[responses.REPLAYED_HEADER] = "false"
@@ -382,5 +400,6 @@ def _teardown_request(exc: BaseException | None) -> None:
         # is stored, so a retry runs again.
         ctx.settled = True
         ctx.state.keeper.drop(ctx.record_key, ctx.token)
+        ctx.state.metrics.inc("released")
         ctx.tx.release(ctx.record_key, ctx.token)
     ctx.tx.close()

@@ -110,3 +110,29 @@ def test_cli_reports_an_unreachable_database(make_app: MakeApp) -> None:
     result = run(app, "purge")
     assert result.exit_code != 0
     assert "Traceback" not in result.output
+
+
+def test_stats_and_metrics_count_what_happened(make_app: MakeApp, database_url: str) -> None:
+    app = make_app()
+    charge(app, "a")
+    charge(app, "a")
+    charge(app, "a", amount=2)
+    charge(app, "b", status=500)
+    execute(
+        database_url,
+        "INSERT INTO idempotency_records (record_key, fingerprint, state, lock_token,"
+        " lease_expires_at, expires_at) VALUES ('\\x01', '\\x02', 'processing', 1,"
+        " now() - interval '1 minute', now() + interval '1 day')",
+    )
+    result = run(app, "stats")
+    assert result.exit_code == 0, result.output
+    assert "completed: 1" in result.output
+    assert "processing: 1" in result.output
+    assert "lease_expired: 1" in result.output
+    with app.app_context():
+        metrics = app.extensions["idem"].metrics()
+    assert metrics["executed"] == 2
+    assert metrics["completed"] == 1
+    assert metrics["released"] == 1
+    assert metrics["replayed_from_store"] == 1
+    assert metrics["key_reused"] == 1

@@ -109,6 +109,18 @@ SELECT state, created_at, expires_at, completed_at, lease_expires_at, status_cod
        headers, extract(epoch FROM now() - created_at)::float8, expires_at <= now()
   FROM idempotency_records WHERE record_key = %s
 """
+#: Table-wide figures for ``flask idempotency stats``.
+STATS = """
+SELECT count(*) FILTER (WHERE state = 'processing' AND expires_at > now()),
+       count(*) FILTER (WHERE state = 'completed' AND expires_at > now()),
+       count(*) FILTER (WHERE expires_at <= now()),
+       count(*) FILTER (WHERE state = 'processing' AND lease_expires_at <= now()
+                        AND expires_at > now()),
+       coalesce(max(extract(epoch FROM now() - created_at))
+                FILTER (WHERE state = 'processing'), 0)::float8,
+       coalesce(sum(takeovers), 0)
+  FROM idempotency_records
+"""
 UNLOCK = "DELETE FROM idempotency_records WHERE record_key = %s AND state = 'processing'"
 
 _CONNECTION_ERRORS = (psycopg2.OperationalError, psycopg2.InterfaceError)
@@ -377,6 +389,21 @@ class PostgresStore:
             age_seconds=float(row[8]),
             expired=bool(row[9]),
         )
+
+    def stats(self) -> dict[str, float]:
+        with self._autocommit() as conn, conn.cursor() as cur:
+            cur.execute(STATS)
+            row = cur.fetchone()
+        assert row is not None
+        names = (
+            "processing",
+            "completed",
+            "expired",
+            "lease_expired",
+            "oldest_processing_seconds",
+            "takeovers",
+        )
+        return {name: float(value) for name, value in zip(names, row, strict=True)}
 
     def unlock(self, record_key: bytes) -> bool:
         with self._autocommit() as conn, conn.cursor() as cur:
