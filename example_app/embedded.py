@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import warnings
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -22,13 +23,16 @@ PGDATA_DIR = "pgdata"
 
 def embedded_database_url(instance_path: str) -> str:
     """Start (or join) the instance folder's PostgreSQL and return its URL."""
-    # The "example" extra, imported late: only this mode needs it, and importing it
-    # creates a lock file in the user's runtime directory.
-    from pgserver.postgres_server import get_server
-
     os.makedirs(instance_path, exist_ok=True)
     pgdata = Path(instance_path) / PGDATA_DIR
-    server = get_server(pgdata, cleanup_mode=None)
+    with warnings.catch_warnings():
+        # pgserver keeps its start-up lock in the user's runtime directory; without
+        # XDG_RUNTIME_DIR (root in a container) platformdirs warns and uses /tmp,
+        # which is fine for a lock. Imported late: only this mode needs the extra.
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+        from pgserver.postgres_server import get_server
+
+        server = get_server(pgdata, cleanup_mode=None)
     url: str = server.get_uri()
     log.info("DATABASE_URL is unset: using the embedded PostgreSQL in %s", pgdata)
     return url
