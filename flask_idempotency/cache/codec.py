@@ -1,0 +1,183 @@
+"""The bytes a cached response is kept as in Redis: versioned, compact, data only.
+
+Never pickle: whoever can write to Redis must not be able to run code in the
+application. A value is parsed as plain data, and anything that does not parse
+exactly - an unknown version or flag, a truncated or padded value, a body that
+inflates past the limit - is rejected, which the cache turns into a miss:
+PostgreSQL still has the record.
+
+Layout of version 1 (integers big-endian, lengths unsigned 16-bit)::
+
+    u8  version           1
+    u8  flags             bit 0: body is zlib-compressed; other bits must be 0
+    u16 status
+    u16 fingerprint length, fingerprint bytes
+    u16 header count, then per header:
+        u16 name length, name (UTF-8)   u16 value length, value (UTF-8)
+    u32 body length, body (compressed if flagged), and nothing after it
+
+Every field is framed and the value must end exactly where the body does, so
+any truncated or padded value is rejected rather than replayed as a shorter
+body.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+from ..store.base import StoredResponse
+from .base import CachedRecord
+
+FORMAT_VERSION = 1
+
+#: The body that follows the headers is zlib data.
+FLAG_COMPRESSED = 0x01
+_KNOWN_FLAGS = FLAG_COMPRESSED
+
+#: zlib level 1: on the completion path speed matters more than the last few
+#: percent; JSON bodies still shrink several-fold, and inflating is equally
+#: fast whatever the level.
+COMPRESS_LEVEL = 1
+
+_PREFIX = struct.Struct(">BBH")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U16_MAX = 0xFFFF
+_U32_MAX = 0xFFFFFFFF
+
+#: Header names and values are ``str`` that may hold any code point (WSGI
+#: gives latin-1 decoded bytes, an application may set anything); surrogatepass
+#: makes every ``str`` encodable, so a round trip is exact.
+_TEXT_ERRORS = "surrogatepass"
+
+
+class CodecError(ValueError):
+    """A response that cannot be framed (a header over 64 KiB, a body over 4 GiB):
+    it is simply not cached; PostgreSQL still replays it."""
+
+
+class CorruptEntry(ValueError):
+    """A cached value that is not a well-formed entry of a known version: a miss."""
+
+
+class UnknownVersion(CorruptEntry):
+    """Written by another release of this library (or by something else entirely)."""
+
+
+def encode(fingerprint: bytes, response: StoredResponse, *, compress_over: int) -> bytes:
+    """Frame one completed response. Bodies above ``compress_over`` bytes are
+    deflated when that makes them smaller (random or already-compressed bodies
+    do not shrink, and then are kept as they are)."""
+    body = response.body
+    flags = 0
+    if len(body) > compress_over:
+        deflated = zlib.compress(body, COMPRESS_LEVEL)
+        if len(deflated) < len(body):
+            body, flags = deflated, FLAG_COMPRESSED
+    if not 0 <= response.status <= _U16_MAX:
+        raise CodecError(f"status {response.status} does not fit")
+    parts = [_PREFIX.pack(FORMAT_VERSION, flags, response.status), _framed(fingerprint)]
+    parts.append(_length(len(response.headers)))
+    for name, value in response.headers:
+        parts.append(_framed(name.encode("utf-8", _TEXT_ERRORS)))
+        parts.append(_framed(value.encode("utf-8", _TEXT_ERRORS)))
+    if len(body) > _U32_MAX:
+        raise CodecError("body over 4 GiB")
+    parts.append(_U32.pack(len(body)))
+    parts.append(body)
+    return b"".join(parts)
+
+
+def decode(value: bytes, *, max_body: int | None = None) -> CachedRecord:
+    """Parse a cached value, or raise :class:`CorruptEntry`.
+
+    ``max_body`` bounds how far a compressed body may inflate: a value crafted
+    to inflate to gigabytes is rejected after ``max_body + 1`` bytes instead of
+    exhausting the worker's memory.
+    """
+    if len(value) < _PREFIX.size:
+        raise CorruptEntry("shorter than the fixed prefix")
+    version, flags, status = _PREFIX.unpack_from(value, 0)
+    if version != FORMAT_VERSION:
+        raise UnknownVersion(f"format version {version}")
+    if flags & ~_KNOWN_FLAGS:
+        raise CorruptEntry(f"unknown flags {flags:#04x}")
+    reader = _Reader(value, _PREFIX.size)
+    fingerprint = reader.framed()
+    headers = []
+    for _ in range(reader.u16()):
+        name = reader.framed()
+        field = reader.framed()
+        try:
+            headers.append(
+                (name.decode("utf-8", _TEXT_ERRORS), field.decode("utf-8", _TEXT_ERRORS))
+            )
+        except UnicodeDecodeError:
+            raise CorruptEntry("header is not UTF-8") from None
+    body = reader.body()
+    if flags & FLAG_COMPRESSED:
+        body = _inflate(body, max_body)
+    elif max_body is not None and len(body) > max_body:
+        raise CorruptEntry("body larger than any stored body")
+    return CachedRecord(fingerprint, StoredResponse(status, tuple(headers), body))
+
+
+def _length(n: int) -> bytes:
+    if n > _U16_MAX:
+        raise CodecError(f"length {n} does not fit in 16 bits")
+    return _U16.pack(n)
+
+
+def _framed(data: bytes) -> bytes:
+    return _length(len(data)) + data
+
+
+def _inflate(data: bytes, max_body: int | None) -> bytes:
+    inflater = zlib.decompressobj()
+    try:
+        body = inflater.decompress(data, 0 if max_body is None else max_body + 1)
+    except zlib.error:
+        raise CorruptEntry("body is not valid zlib data") from None
+    if max_body is not None and (len(body) > max_body or inflater.unconsumed_tail):
+        raise CorruptEntry("body inflates past the largest stored body")
+    if not inflater.eof or inflater.unused_data:
+        raise CorruptEntry("compressed body is truncated or padded")
+    return body
+
+
+class _Reader:
+    """Bounds-checked reads: slicing past the end would silently truncate."""
+
+    def __init__(self, data: bytes, offset: int) -> None:
+        self._data = data
+        self._offset = offset
+
+    def _number(self, fmt: struct.Struct) -> int:
+        end = self._offset + fmt.size
+        if end > len(self._data):
+            raise CorruptEntry("truncated")
+        (n,) = fmt.unpack_from(self._data, self._offset)
+        self._offset = end
+        return int(n)
+
+    def u16(self) -> int:
+        return self._number(_U16)
+
+    def _chunk(self, n: int) -> bytes:
+        end = self._offset + n
+        if end > len(self._data):
+            raise CorruptEntry("truncated")
+        chunk = self._data[self._offset : end]
+        self._offset = end
+        return chunk
+
+    def framed(self) -> bytes:
+        return self._chunk(self.u16())
+
+    def body(self) -> bytes:
+        """The u32-framed body, which must be the last thing in the value."""
+        chunk = self._chunk(self._number(_U32))
+        if self._offset != len(self._data):
+            raise CorruptEntry("bytes after the body")
+        return chunk
