@@ -1,0 +1,307 @@
+"""The Redis fast path: completed responses served without a trip to PostgreSQL.
+
+Redis is only ever a copy. It holds completed responses (the extension puts
+one after the completion has committed, or after replaying one from
+PostgreSQL), never a processing claim, so losing or wiping it changes no
+outcome. Every Redis failure is therefore a miss: logged (rate-limited),
+counted by a circuit breaker, never raised.
+
+Cost per call is one round trip: ``get`` is one ``GET``, ``put`` one
+``SET ... PX``, ``evict`` one ``DEL`` of all the keys. A client built from a URL
+has no retries and no health-check ``PING`` (either would multiply a slow
+Redis's cost), a socket and connect timeout of tens of milliseconds, and a
+lean connect handshake (no ``HELLO``, no ``CLIENT SETINFO``) where this
+redis-py supports turning them off.
+
+Keys are ``{prefix}:{<hex of the record key>}``. The record key is already a
+SHA-256 of the scope and the client's key, so no client key reaches Redis, and
+two scopes never share an entry. The braces are a Redis Cluster hash tag: a
+future companion key of the same record (``{prefix}:{<hex>}:lock``, say) lands
+on the same slot.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.backoff
+import redis.connection
+import redis.exceptions
+import redis.retry
+
+from ..keys import log_key
+from ..settings import Settings
+from ..store.base import StoredResponse
+from . import codec
+from .base import CachedRecord
+from .breaker import BreakerState, CircuitBreaker, Transition
+
+log = logging.getLogger("flask_idempotency")
+
+T = TypeVar("T")
+
+#: At most one warning per this many seconds about Redis failures or bad
+#: values; the rest go to debug with a count. An outage must not flood the logs
+#: at request rate.
+LOG_INTERVAL = 10.0
+
+#: Errors after which the pool's idle sockets are presumed dead too (a Redis
+#: restart breaks all of them at once): they are dropped, so the next calls
+#: reconnect instead of each failing on another stale socket and opening the
+#: breaker for nothing.
+_SOCKET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class RedisCache:
+    """A :class:`~flask_idempotency.cache.base.ResponseCache` over one Redis client.
+
+    Thread-safe (redis-py's pool is, and so is the breaker) and fork-safe:
+    redis-py's ``ConnectionPool`` compares its PID on every checkout and starts
+    afresh in a forked child, so a gunicorn worker never shares its master's
+    socket. No connection is opened until the first call.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis[bytes],
+        *,
+        prefix: str = "idempotency",
+        compress_over: int = 4096,
+        max_body: int | None = None,
+        breaker: CircuitBreaker | None = None,
+        owns_client: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.compress_over = compress_over
+        self.max_body = max_body
+        self.breaker = breaker if breaker is not None else CircuitBreaker(3, 5.0, clock=clock)
+        self._owns_client = owns_client
+        self._log = _RateLimitedLog(clock)
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, clock: Callable[[], float] = time.monotonic
+    ) -> RedisCache:
+        """From ``IDEMPOTENCY_REDIS`` (used as it is: its timeouts are the
+        application's) or ``IDEMPOTENCY_REDIS_URL`` (a client built for a cache).
+
+        A URL's query string still wins over these defaults, so an operator can
+        set, say, ``?socket_timeout=0.2`` without a code change.
+        """
+        if settings.redis is not None:
+            client, owns = settings.redis, False
+            connection_kwargs: dict[str, Any] = getattr(client, "get_connection_kwargs", dict)()
+            if connection_kwargs.get("decode_responses"):
+                raise ValueError(
+                    "IDEMPOTENCY_REDIS must not decode responses: cached entries are binary"
+                )
+        elif settings.redis_url is not None:
+            client, owns = client_from_url(settings.redis_url, settings.redis_timeout), True
+        else:
+            raise ValueError("Set IDEMPOTENCY_REDIS_URL or IDEMPOTENCY_REDIS")
+        return cls(
+            client,
+            prefix=settings.redis_prefix,
+            compress_over=settings.redis_compress_over,
+            max_body=settings.max_stored_body,
+            breaker=CircuitBreaker(
+                settings.redis_breaker_threshold, settings.redis_breaker_cooldown, clock=clock
+            ),
+            owns_client=owns,
+            clock=clock,
+        )
+
+    def key(self, record_key: bytes) -> str:
+        return f"{self.prefix}:{{{record_key.hex()}}}"
+
+    # -- the ResponseCache protocol -------------------------------------------
+
+    def get(self, record_key: bytes) -> CachedRecord | None:
+        key = self.key(record_key)
+        value = self._call("GET", record_key, lambda: self.client.get(key))
+        if value is None:
+            return None
+        try:
+            return codec.decode(value, max_body=self.max_body)
+        except codec.CorruptEntry as exc:
+            # Redis answered, so the breaker is not concerned. The entry stays:
+            # the PostgreSQL replay that follows this miss overwrites it.
+            self._log.warning(
+                "idempotency: unreadable cache entry for key %s (%s: %s); treated as a miss",
+                log_key(record_key),
+                type(exc).__name__,
+                exc,
+            )
+            return None
+
+    def put(
+        self, record_key: bytes, fingerprint: bytes, response: StoredResponse, ttl: float
+    ) -> None:
+        # Whole milliseconds, rounded down: the copy must never outlive the record.
+        px = int(ttl * 1000)
+        if px <= 0:
+            return
+        try:
+            value = codec.encode(fingerprint, response, compress_over=self.compress_over)
+        except codec.CodecError as exc:
+            self._log.warning(
+                "idempotency: response for key %s not cached: %s", log_key(record_key), exc
+            )
+            return
+        key = self.key(record_key)
+        self._call("SET", record_key, lambda: self.client.set(key, value, px=px))
+
+    def evict(self, record_keys: Sequence[bytes]) -> None:
+        """One ``DEL`` of every key. On Redis Cluster keys of different records
+        hash to different slots and a multi-key ``DEL`` is refused (CROSSSLOT):
+        a cluster deployment needs one ``DEL`` per slot (redis-py's
+        ``RedisCluster.delete`` splits them so). Eviction is hygiene, not
+        correctness: an entry never outlives its record's TTL anyway."""
+        if not record_keys:
+            return
+        keys = [self.key(k) for k in record_keys]
+        self._call("DEL", record_keys[0], lambda: self.client.delete(*keys))
+
+    def close(self) -> None:
+        """Close the client if we built it; an application's own client stays its own."""
+        if self._owns_client:
+            try:
+                self.client.close()
+            except Exception as exc:  # closing a dead connection must not fail shutdown
+                log.debug("idempotency: closing the redis client failed: %s", exc)
+
+    # -- the failure policy ---------------------------------------------------
+
+    def _call(self, command: str, record_key: bytes, fn: Callable[[], T]) -> T | None:
+        """Run one Redis command through the breaker; any failure is ``None``.
+
+        Catches every ``Exception``, not just ``RedisError``: redis-py raises
+        others too (``ChildDeadlockedError``, an ``OSError`` from a TLS
+        handshake), and a cache must never turn an outage into a 500.
+        """
+        if not self.breaker.allow():
+            return None
+        try:
+            result = fn()
+        except Exception as exc:
+            if isinstance(exc, _SOCKET_ERRORS):
+                self._drop_idle_connections()
+            self._log.warning(
+                "idempotency: redis %s for key %s failed (%s: %s); treated as a miss",
+                command,
+                log_key(record_key),
+                type(exc).__name__,
+                _short(exc),
+            )
+            if self.breaker.failure() is Transition.OPENED:
+                log.warning(
+                    "idempotency: redis circuit breaker open; skipping redis for %.1f s",
+                    self.breaker.cooldown,
+                )
+            return None
+        if self.breaker.success() is Transition.CLOSED:
+            log.info("idempotency: redis answers again; circuit breaker closed")
+        return result
+
+    def _drop_idle_connections(self) -> None:
+        try:
+            self.client.connection_pool.disconnect(inuse_connections=False)
+        except Exception as exc:
+            log.debug("idempotency: dropping idle redis connections failed: %s", exc)
+
+    def __repr__(self) -> str:
+        state = self.breaker.state
+        suffix = "" if state is BreakerState.CLOSED else f" breaker={state.value}"
+        return f"<RedisCache prefix={self.prefix!r}{suffix}>"
+
+
+def client_from_url(url: str, timeout: float) -> redis.Redis[bytes]:
+    """A client for a cache: a slow answer must cost less than asking PostgreSQL.
+
+    - ``socket_timeout`` and ``socket_connect_timeout`` = ``timeout``;
+    - no retries (redis-py 6+ retries three times by default, with backoff);
+    - no health-check ``PING`` before commands on idle connections;
+    - where supported: RESP2 (redis-py 8 defaults to RESP3, whose ``HELLO``,
+      and the maintenance-notification handshake that comes with it, add
+      round trips to every new connection) and no ``CLIENT SETINFO``.
+
+    Raises ``ValueError`` for a malformed URL (at ``init_app``); connects to
+    nothing.
+    """
+    client: redis.Redis[bytes] = redis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+        health_check_interval=0,
+        **_lean_handshake_kwargs(),
+    )
+    return client
+
+
+def _lean_handshake_kwargs() -> dict[str, Any]:
+    """Connection options that trim the connect handshake, if this redis-py has them.
+
+    The package supports ``redis>=4.5``, where these parameters do not exist
+    yet; they are detected rather than assumed, and passing them explicitly
+    also avoids the deprecation warnings of their older spellings.
+    """
+    params = _connection_params()
+    options: dict[str, Any] = {}
+    if "protocol" in params:
+        options["protocol"] = 2
+    if "driver_info" in params:
+        options["driver_info"] = None  # documented: None disables CLIENT SETINFO
+    elif "lib_name" in params:
+        options["lib_name"] = None
+        options["lib_version"] = None
+    return options
+
+
+def _connection_params() -> frozenset[str]:
+    base = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
+    return frozenset(inspect.signature(base.__init__).parameters)
+
+
+def _short(exc: Exception, limit: int = 200) -> str:
+    """An error message for a log line: redis-py's never carry keys or values,
+    but they can be long (a whole server reply); keep one line of it."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class _RateLimitedLog:
+    """Warnings at most once per ``LOG_INTERVAL``; the rest at debug, and counted
+    into the next warning, so an outage at request rate is a line every few
+    seconds that still says how much was hidden."""
+
+    def __init__(self, clock: Callable[[], float], interval: float = LOG_INTERVAL) -> None:
+        self._clock = clock
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last: float | None = None
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        with self._lock:
+            now = self._clock()
+            if self._last is not None and now - self._last < self._interval:
+                self._suppressed += 1
+                loud = False
+            else:
+                self._last, suppressed, self._suppressed = now, self._suppressed, 0
+                loud = True
+        if not loud:
+            log.debug(msg, *args)
+        elif suppressed:
+            log.warning(msg + " (%d similar messages suppressed)", *args, suppressed)
+        else:
+            log.warning(msg, *args)
