@@ -305,7 +305,10 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
         ctx.replayed = True
         state.metrics.inc("replayed_from_store")
         if existing is not None and existing.ttl_remaining:
-            state.cache.put(record_key, fingerprint, decision.response, existing.ttl_remaining)
+            # PostgreSQL measured the remainder when the claim ran; the copy must
+            # not outlive the record by the time that has passed since.
+            remaining = existing.ttl_remaining - (time.monotonic() - ctx.claimed_at)
+            state.cache.put(record_key, fingerprint, decision.response, remaining)
         return responses.replay(decision.response)
     if decision.reason is flow.Rejection.KEY_REUSED:
         state.metrics.inc("key_reused")
