@@ -1,0 +1,235 @@
+"""A loopback TCP proxy that outage tests can cut and restore.
+
+Stopping the real server is slow and takes it away from every other test;
+cutting a proxy in front of it takes it away from one client only, at an
+exact moment (psycopg's ``tests/fix_proxy.py`` does the same with
+``pproxy``).  This one is a few threads on the standard library.
+
+While cut, the proxy still accepts connections but resets them at once, so a
+client fails fast (as when a server is down), and its port stays ours so
+``restore()`` cannot find it taken.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from urllib.parse import urlsplit, urlunsplit
+
+from ._procs import LOOPBACK
+
+DEFAULT_PORTS = {"postgres": 5432, "postgresql": 5432, "redis": 6379, "http": 80}
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP RST instead of a FIN: the peer fails immediately."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
+class _Link:
+    """One proxied connection: a client socket and its upstream socket.
+
+    Two pump threads copy bytes, one per direction.  Only they close the
+    sockets (the last one to finish), so a socket is never closed under a
+    thread still reading it; anyone else ends a link with ``abort()``,
+    which shuts the sockets down and so wakes the pumps.
+    """
+
+    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+        self.client = client
+        self.upstream = upstream
+        self._lock = threading.Lock()
+        self._pumps_left = 2
+
+    def abort(self) -> None:
+        for sock in (self.client, self.upstream):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def pump(
+        self, src: socket.socket, dst: socket.socket, on_closed: Callable[[_Link], None]
+    ) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)  # pass the half-close on
+        except OSError:
+            self.abort()
+        with self._lock:
+            self._pumps_left -= 1
+            last = self._pumps_left == 0
+        if last:
+            self.client.close()
+            self.upstream.close()
+            on_closed(self)
+
+
+class TcpProxy:
+    """Listens on 127.0.0.1:<free port> and forwards to ``target``.
+
+    Make one with ``TcpProxy(host, port)`` or ``TcpProxy.for_url(url)``;
+    ``url`` is then that URL pointing at the proxy instead.
+    """
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        target_url: str | None = None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.target = (target_host, target_port)
+        self._target_url = target_url
+        self.connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._cut = False
+        self._closed = False
+        self._links: set[_Link] = set()
+        self._threads: list[threading.Thread] = []
+        self._listener = socket.create_server((LOOPBACK, 0))
+        # A timeout rather than a shutdown() from close() to end accept():
+        # the accept thread alone closes the listener, portably.
+        self._listener.settimeout(0.1)
+        self.host = LOOPBACK
+        self.port: int = self._listener.getsockname()[1]
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name=f"TcpProxy:{self.port}", daemon=True
+        )
+        self._acceptor.start()
+
+    @classmethod
+    def for_url(cls, url: str, *, connect_timeout: float = 5.0) -> TcpProxy:
+        """A proxy in front of the server a ``postgresql://`` or ``redis://`` URL names."""
+        parts = urlsplit(url)
+        if not parts.hostname or parts.hostname.startswith("/"):
+            raise ValueError(f"cannot proxy {url!r}: it names no TCP host")
+        port = parts.port or DEFAULT_PORTS.get(parts.scheme)
+        if port is None:
+            raise ValueError(f"cannot proxy {url!r}: no port and no default for {parts.scheme!r}")
+        return cls(parts.hostname, port, target_url=url, connect_timeout=connect_timeout)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    @property
+    def url(self) -> str:
+        """The URL the proxy was made for, pointing at the proxy."""
+        if self._target_url is None:
+            raise RuntimeError("this proxy was not made from a URL; use url_for()")
+        return self.url_for(self._target_url)
+
+    def url_for(self, url: str) -> str:
+        """``url`` with its host and port replaced by the proxy's (userinfo kept)."""
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        netloc = f"{userinfo}@{self.host}:{self.port}" if userinfo else f"{self.host}:{self.port}"
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._links)
+
+    def cut(self) -> None:
+        """Drop every open connection and reset new ones until ``restore()``."""
+        with self._lock:
+            self._cut = True
+            links = list(self._links)
+        for link in links:
+            link.abort()
+
+    def restore(self) -> None:
+        """Let new connections through again (cut ones stay closed)."""
+        with self._lock:
+            self._cut = False
+
+    def close(self) -> None:
+        """Stop listening, drop every connection and wait for the threads."""
+        with self._lock:
+            self._closed = True
+            links = list(self._links)
+        for link in links:
+            link.abort()
+        self._acceptor.join(5)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(5)
+
+    def _accept_loop(self) -> None:
+        try:
+            while not self._closed:
+                try:
+                    client, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    time.sleep(0.05)  # out of descriptors, say: try again shortly
+                    continue
+                with self._lock:
+                    if self._cut or self._closed:
+                        _reset(client)
+                        continue
+                    self._start_thread(self._connect, client)
+        finally:
+            self._listener.close()
+
+    def _start_thread(self, target: Callable[..., None], *args: object) -> None:
+        """Start a daemon worker thread; caller holds ``self._lock``."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _connect(self, client: socket.socket) -> None:
+        client.settimeout(None)
+        try:
+            upstream = socket.create_connection(self.target, timeout=self.connect_timeout)
+        except OSError:
+            _reset(client)  # upstream down: the client sees a refused-like reset
+            return
+        upstream.settimeout(None)
+        link = _Link(client, upstream)
+        with self._lock:
+            if self._cut or self._closed:
+                _reset(client)
+                upstream.close()
+                return
+            self._links.add(link)
+            self._start_thread(link.pump, client, upstream, self._forget)
+            self._start_thread(link.pump, upstream, client, self._forget)
+
+    def _forget(self, link: _Link) -> None:
+        with self._lock:
+            self._links.discard(link)
+
+    def __enter__(self) -> TcpProxy:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "cut" if self._cut else "open"
+        return f"<TcpProxy {self.host}:{self.port} -> {self.target[0]}:{self.target[1]} {state}>"
