@@ -11,9 +11,11 @@ exactly one charge.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import runpy
 import signal
+import socket
 import sys
 import threading
 import time
@@ -333,6 +335,54 @@ def test_two_api_keys_with_one_idempotency_key_are_independent(api: GunicornServ
         "GET", api.url + a.headers["Location"], {"Authorization": f"Bearer {bob}"}
     )
     assert foreign.status == 404
+
+
+def raw_exchange(api: GunicornServer, request: bytes) -> tuple[int, dict[str, Any]]:
+    """Send bytes as they are (framing the HTTP clients would not produce); the
+    status and the JSON body of the answer."""
+    received = b""
+    with socket.create_connection((api.host, api.port), timeout=10) as sock:
+        sock.sendall(request)
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass  # the server closed with part of our body unread; its answer came first
+    head, _, body = received.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def chunked_charge(token: str, key: str, chunks: list[bytes]) -> bytes:
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+    return (
+        b"POST /v1/charges HTTP/1.1\r\nHost: api\r\nConnection: close\r\n"
+        b"Authorization: Bearer %s\r\nIdempotency-Key: %s\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        % (token.encode(), key.encode())
+    ) + framed
+
+
+def test_malformed_framing_is_a_json_4xx(api: GunicornServer) -> None:
+    token = new_token()
+    body = json.dumps(BODY).encode()
+    status, answer = raw_exchange(api, chunked_charge(token, "ok", [body[:10], body[10:]]))
+    assert (status, answer["status"]) == (201, "succeeded")
+
+    broken = chunked_charge(token, "broken", [body]).replace(b"%x\r\n" % len(body), b"zz\r\n")
+    status, answer = raw_exchange(api, broken)
+    assert (status, answer["error"]["code"]) == (400, "malformed_body")
+
+    # Streamed past MAX_CONTENT_LENGTH (1 MiB): refused, not cut and acted on.
+    huge = json.dumps(BODY | {"description": "x" * (1024 * 1024)}).encode()
+    status, answer = raw_exchange(api, chunked_charge(token, "huge", [huge]))
+    assert (status, answer["error"]["type"]) == (413, "invalid_request_error")
+    status, answer = raw_exchange(
+        api,
+        b"POST /v1/charges HTTP/1.1\r\nHost: api\r\nConnection: close\r\n"
+        b"Authorization: Bearer t\r\nIdempotency-Key: k\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 2000000\r\n\r\n{}",
+    )
+    assert status == 413
 
 
 def test_start_up_message_says_where_and_how(api: GunicornServer) -> None:
