@@ -79,14 +79,14 @@ def test_purge_deletes_expired_records_in_batches(make_app: MakeApp, database_ur
 
 def test_show_prints_state_and_body_only_on_request(make_app: MakeApp) -> None:
     app = make_app()
-    charge(app, "shown-key", amount=42)
+    charge(app, "shown-key", amount=987654321)
     plain = run(app, "show", "shown-key", "--authorization", "Bearer sk_1")
     assert plain.exit_code == 0, plain.output
     assert "state: completed" in plain.output
     assert "status: 201" in plain.output
-    assert "42" not in plain.output
+    assert "987654321" not in plain.output
     with_body = run(app, "show", "shown-key", "--authorization", "Bearer sk_1", "--body")
-    assert '"amount":42' in with_body.output.replace(" ", "")
+    assert "\"amount\":987654321" in with_body.output.replace(" ", "")
     other_scope = run(app, "show", "shown-key", "--authorization", "Bearer sk_2")
     assert other_scope.exit_code != 0
     assert "no record" in other_scope.output
