@@ -16,7 +16,6 @@ import secrets
 from typing import Any
 
 import psycopg2
-import psycopg2.errors
 from flask import Blueprint, Response, current_app, jsonify, request, url_for
 from typing_extensions import assert_never
 
@@ -31,7 +30,7 @@ from example_app.processor_client import (
     ProcessorUnavailable,
 )
 from example_app.schemas import ChargeRequest, load_charge_request, load_customer_query
-from flask_idempotency import LeaseLost, StoreUnavailable
+from flask_idempotency import StoreUnavailable
 from flask_idempotency.store import StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -45,11 +44,18 @@ _CHARGE_COLUMNS = (
     "id, amount, currency, customer, status, floor(extract(epoch FROM created_at))::bigint"
 )
 
+#: One payment is one charge, whatever happened to the idempotency record: a key
+#: reused after its TTL (the record purged, the processor still remembering the key)
+#: gets the processor's earlier payment back, and so the charge already recorded
+#: for it (``CHARGE_FOR_PAYMENT``), never a second row.
 INSERT_CHARGE = f"""
 INSERT INTO charges (id, owner, customer, amount, currency, description, status, payment_id)
 VALUES (%s, %s, %s, %s, %s, %s, 'succeeded', %s)
+ON CONFLICT (payment_id) DO NOTHING
 RETURNING {_CHARGE_COLUMNS}
 """
+
+CHARGE_FOR_PAYMENT = f"SELECT {_CHARGE_COLUMNS} FROM charges WHERE payment_id = %s AND owner = %s"
 
 GET_CHARGE = f"SELECT {_CHARGE_COLUMNS} FROM charges WHERE id = %s AND owner = %s"
 
@@ -125,9 +131,10 @@ def create_charge() -> Response:
 def _record_charge(charge: ChargeRequest, payment_id: str) -> Response:
     """Insert the charge in the transaction that will also store this answer."""
     conn = idempotency.connection()
+    owner = current_owner()
     params = (
         new_charge_id(),
-        current_owner(),
+        owner,
         charge.customer,
         charge.amount,
         charge.currency,
@@ -138,13 +145,15 @@ def _record_charge(charge: ChargeRequest, payment_id: str) -> Response:
         with conn.cursor() as cur:
             cur.execute(INSERT_CHARGE, params)
             row = cur.fetchone()
-    except psycopg2.errors.UniqueViolation as exc:
-        # Only the payment_id can clash: another attempt under this key (one that
-        # took the record over) already recorded this payment and committed.
-        raise LeaseLost(retry_after=_retry_after()) from exc
+            if row is None:
+                cur.execute(CHARGE_FOR_PAYMENT, (payment_id, owner))
+                row = cur.fetchone()
     except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
         raise StoreUnavailable(retry_after=_retry_after()) from exc
-    assert row is not None
+    if row is None:
+        # The derived key includes the API key, so this cannot happen; if it does,
+        # a 500 stores nothing and records nothing.
+        raise RuntimeError("the processor's payment is recorded under another API key")
     body = charge_json(row)
     response = jsonify(body)
     response.status_code = 201
