@@ -94,6 +94,9 @@ class RequestState:
     claimed_at: float = 0.0
     replayed: bool = False
     settled: bool = False
+    #: The view ended in one of our errors (the store failed under it, its lease was
+    #: lost): released like any unstored answer, but without ``Idempotent-Replayed``.
+    own_error: bool = False
 
 
 class Idempotency:
@@ -298,7 +301,11 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
         ctx.token = decision.token
         state.metrics.inc("executed")
         state.keeper.hold(LeaseHold(record_key, decision.token, lease))
-        return current_app.ensure_sync(view)(*args, **kwargs)
+        try:
+            return current_app.ensure_sync(view)(*args, **kwargs)
+        except IdempotencyError:
+            ctx.own_error = True
+            raise
 
     ctx.tx.close()
     if isinstance(decision, flow.Replay):
@@ -363,7 +370,8 @@ def _after_request(response: Response) -> Response:
     if settlement is flow.Settlement.RELEASE:
         state.metrics.inc("released")
         tx.release(ctx.record_key, token)
-        response.headers[responses.REPLAYED_HEADER] = "false"
+        if not ctx.own_error:
+            response.headers[responses.REPLAYED_HEADER] = "false"
         return response
     if settlement is flow.Settlement.TOO_LARGE:
         log.error("idempotency: response for key %s cannot be stored; rolled back", label)
