@@ -1,0 +1,84 @@
+"""Fixtures of the reliability suite: the shared stack, time limits and the figures.
+
+Every test here runs against the real stack (gunicorn workers, PostgreSQL,
+Redis, the processor service); see ``stack.py``. The tests that need a stack
+configured their own way (a short lease, a throwaway database or Redis they
+stop) build it in a module fixture with ``running_stack``.
+
+Each test reports what it held through the ``figures`` fixture (figures.py):
+printed in the test's output and again in a "reliability figures" section at
+the end of the run, so a CI log shows them whatever pytest's capture mode.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from .figures import REPORTED, Figures
+from .stack import Stack, StackOptions, drop_stale_databases, own_database, running_stack
+
+#: Hard limit for one test (not its module's stack start-up, which has its own):
+#: a hung test dumps every thread's stack and ends the run, instead of eating
+#: the CI job's whole time budget.
+TEST_TIME_LIMIT = 180.0
+
+
+@pytest.fixture
+def figures(request: pytest.FixtureRequest) -> Figures:
+    return Figures(request.node.name)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not REPORTED:
+        return
+    terminalreporter.section("reliability figures")
+    for test, values in REPORTED:
+        terminalreporter.write_line(f"{test}:")
+        for name, value in values.items():
+            terminalreporter.write_line(f"    {name}: {value}")
+
+
+@pytest.fixture(autouse=True)
+def time_limit() -> Iterator[None]:
+    """Dump all stacks and exit if one test runs past ``TEST_TIME_LIMIT``."""
+    faulthandler.dump_traceback_later(TEST_TIME_LIMIT, exit=True, file=sys.stderr)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        print(f"[time] {time.monotonic() - started:.1f} s")
+
+
+@pytest.fixture(scope="session")
+def server_database_url(database_url: str) -> str:
+    """The run's PostgreSQL server, with leftovers of killed runs of this suite dropped."""
+    drop_stale_databases(database_url)
+    return database_url
+
+
+@pytest.fixture(scope="session")
+def stack(server_database_url: str, redis_url: str) -> Iterator[Stack]:
+    """The shared stack: its own database on the run's PostgreSQL (behind a proxy the
+    tests may cut), the run's Redis, four gunicorn workers, the default lease."""
+    with own_database(server_database_url) as url:
+        with running_stack(url, redis_url, StackOptions(pg_proxy=True)) as running:
+            yield running
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A prefix unique to this test, for its customers (and so its ledger entries)."""
+    return f"cus_{secrets.token_hex(3)}_"
+
+
+@pytest.fixture
+def api_key() -> str:
+    """A fresh API key: a tenant whose records no other test can have touched."""
+    return f"sk_test_{secrets.token_hex(8)}"
