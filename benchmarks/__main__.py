@@ -1,0 +1,449 @@
+"""``python -m benchmarks``: measure what idempotency costs, side by side, in one run.
+
+Absolute figures on a shared two-core machine drift by tens of percent from
+minute to minute, so nothing is judged on them. Every subject runs behind its
+own gunicorn (all started up front, identically configured), and each cell -
+a path at a concurrency - is measured for every subject back to back, in an
+order rotated each round (A B C D, then B C D A, ...). The report then takes,
+per round, each subject's ratio to ``bare`` measured seconds before, and
+reports the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import psycopg2
+import redis
+
+from . import app as bench_app
+from . import load, report
+from .app import BASELINE, CHARGES_PATH, HEALTH_PATH, REQUEST_BODY, SUBJECTS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+#: gunicorn shape, the same for every subject. gthread keeps client connections
+#: alive (sync workers close each one, and a benchmark would then measure TCP
+#: set-up); two processes use both cores, four threads per process overlap
+#: each request's waits on PostgreSQL. Measured on this machine: 2 x 4 gave the
+#: highest bare throughput of 2 x 2, 2 x 4, 2 x 8, 3 x 4 and 4 sync workers.
+WORKERS = 2
+THREADS = 4
+WORKER_CLASS = "gthread"
+
+#: Connections for the saturation cells: twice the server's 8 request slots,
+#: so a slot is never idle for want of a request, and few enough that wrk's
+#: queueing does not swamp the latency figures.
+SATURATION_CONNECTIONS = 16
+
+#: Completed keys per subject for the replay path: enough that concurrent
+#: replays rarely meet on one row, few enough to pre-complete in seconds.
+REPLAY_KEYS = 500
+
+
+class Server:
+    """One subject's gunicorn, on a free loopback port, in its own session."""
+
+    def __init__(
+        self, subject: str, env: dict[str, str], workdir: Path, workers: int, threads: int
+    ) -> None:
+        self.subject = subject
+        self.env = env
+        self.workers = workers
+        self.threads = threads
+        self.log_path = workdir / f"gunicorn-{_slug(subject)}.log"
+        self.config_path = workdir / "empty.gunicorn.conf.py"
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        # An empty config file: without --config gunicorn would read the
+        # project's gunicorn.conf.py, and the subjects must differ in nothing else.
+        self.config_path.touch()
+        for _attempt in range(3):
+            self.port = _free_port()
+            argv = [
+                sys.executable, "-m", "gunicorn",
+                "--config", str(self.config_path),
+                "--bind", f"127.0.0.1:{self.port}",
+                "--workers", str(self.workers),
+                "--worker-class", WORKER_CLASS,
+                "--threads", str(self.threads),
+                "--log-level", "warning",
+                "--error-logfile", "-",
+            ]  # fmt: skip
+            if _gunicorn_has_control_socket():
+                argv.append("--no-control-socket")
+            argv.append(f"benchmarks.app:create_app({self.subject!r})")
+            with self.log_path.open("ab") as log_file:
+                self._proc = subprocess.Popen(
+                    argv,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    cwd=REPO_ROOT,
+                    start_new_session=True,
+                )
+            if self._wait_ready(timeout):
+                return
+            self.stop()
+            if "Connection in use" not in self.log_path.read_text(errors="replace"):
+                break
+        raise RuntimeError(f"gunicorn for {self.subject} did not start; see {self.log_path}")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                return False
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", HEALTH_PATH)
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return True
+                conn.close()
+            except OSError:
+                pass
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+class Servers:
+    """Every subject's server, stopped together however the run ends."""
+
+    def __init__(self, servers: Sequence[Server]) -> None:
+        self.by_subject = {s.subject: s for s in servers}
+
+    def __enter__(self) -> Servers:
+        try:
+            for server in self.by_subject.values():
+                server.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for server in self.by_subject.values():
+            server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _gunicorn_has_control_socket() -> bool:
+    """gunicorn 25.1+ opens a per-user control socket by default; several
+    servers side by side would take it from each other."""
+    try:
+        major, minor = (int(part) for part in version("gunicorn").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (25, 1)
+
+
+def _slug(subject: str) -> str:
+    return subject.replace("+", "-")
+
+
+def redis_cache_available() -> bool:
+    """Whether this checkout has the Redis cache (it arrived after the core)."""
+    return find_spec("flask_idempotency.cache.redis") is not None
+
+
+def check_services(dsn: str, redis_url: str | None) -> None:
+    try:
+        psycopg2.connect(dsn, connect_timeout=3).close()
+    except psycopg2.Error as exc:
+        raise SystemExit(f"PostgreSQL at {dsn} is not usable: {exc}".strip()) from exc
+    if redis_url is not None:
+        client: redis.Redis[bytes] = redis.Redis.from_url(redis_url, socket_timeout=3)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise SystemExit(f"Redis at {redis_url} is not usable: {exc}") from exc
+        finally:
+            client.close()
+
+
+def flush_bench_redis(redis_url: str) -> None:
+    """Drop the benchmark's cache entries (only those: the prefix is ours)."""
+    client: redis.Redis[bytes] = redis.Redis.from_url(redis_url, socket_timeout=3)
+    try:
+        keys = list(client.scan_iter(match=f"{bench_app.REDIS_PREFIX}:*", count=1000))
+        for start in range(0, len(keys), 1000):
+            client.delete(*keys[start : start + 1000])
+    finally:
+        client.close()
+
+
+def precomplete(url: str, keys: Sequence[str]) -> None:
+    """Send each key once, so that the replay path finds it completed (and,
+    with the Redis subject, cached: the completion puts it there)."""
+    port = int(url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Content-Type": "application/json", "Idempotency-Key": ""}
+    try:
+        for key in keys:
+            headers["Idempotency-Key"] = key
+            conn.request("POST", CHARGES_PATH, REQUEST_BODY, headers)
+            response = conn.getresponse()
+            response.read()
+            if response.status != 201:
+                raise RuntimeError(f"pre-completing {key} at {url}: HTTP {response.status}")
+            if response.will_close:
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    finally:
+        conn.close()
+
+
+def cells(paths: Sequence[str], saturation: int) -> list[tuple[str, int]]:
+    """(path, connections) pairs. The hot key only makes sense with many clients."""
+    found: list[tuple[str, int]] = []
+    for path in paths:
+        if path != "hot":
+            found.append((path, 1))
+        found.append((path, saturation))
+    return found
+
+
+def rotated(items: Sequence[str], by: int) -> list[str]:
+    """The subjects' order in round ``by``: each subject takes each position in
+    turn, so none is always measured right after a particular other."""
+    if not items:
+        return []
+    shift = by % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="The cost of idempotency: subjects interleaved, ratios to bare, medians.",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    parser.add_argument(
+        "--duration", type=float, default=4.0, help="seconds per cell (default 4; wrk: whole s)"
+    )
+    parser.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds of discarded load per server and path"
+    )
+    parser.add_argument(
+        "--subjects",
+        default=",".join(SUBJECTS),
+        help=f"comma-separated, from {', '.join(SUBJECTS)} (bare is always included)",
+    )
+    parser.add_argument(
+        "--paths", default=",".join(load.PATHS), help=f"comma-separated, from {load.PATHS}"
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=SATURATION_CONNECTIONS,
+        help=f"connections for the saturation cells (default {SATURATION_CONNECTIONS})",
+    )
+    parser.add_argument("--workers", type=int, default=WORKERS)
+    parser.add_argument("--threads", type=int, default=THREADS)
+    parser.add_argument("--load", choices=load.TOOLS, default="auto", help="load generator")
+    parser.add_argument("--replay-keys", type=int, default=REPLAY_KEYS)
+    parser.add_argument(
+        "--quick", action="store_true", help="a ~1-minute smoke run: 2 rounds of 1 s cells"
+    )
+    parser.add_argument("--database-url", default=bench_app.database_url())
+    parser.add_argument("--redis-url", default=bench_app.redis_url())
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.duration, args.warmup = 2, 1.0, 0.5
+        args.replay_keys = min(args.replay_keys, 100)
+    return args
+
+
+def selected(raw: str, allowed: Sequence[str], what: str) -> list[str]:
+    chosen = [part.strip() for part in raw.split(",") if part.strip()]
+    unknown = [c for c in chosen if c not in allowed]
+    if unknown:
+        raise SystemExit(f"unknown {what}: {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    return [a for a in allowed if a in chosen]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    subjects = selected(args.subjects, SUBJECTS, "subjects")
+    if BASELINE not in subjects:
+        subjects.insert(0, BASELINE)  # every figure is a ratio to it
+    notes: list[str] = []
+    if "pg+redis" in subjects and not redis_cache_available():
+        subjects.remove("pg+redis")
+        notes.append("pg+redis skipped: flask_idempotency/cache/redis.py is not in this checkout")
+    paths = selected(args.paths, load.PATHS, "paths")
+    tool = load.choose_tool(args.load)
+    uses_redis = "pg+redis" in subjects
+    check_services(args.database_url, args.redis_url if uses_redis else None)
+
+    run_id = secrets.token_hex(4)
+    print(
+        f"benchmark {run_id}: subjects {', '.join(subjects)}; paths {', '.join(paths)}; "
+        f"{args.rounds} rounds x {args.duration:g} s; load: {tool}; gunicorn {args.workers} "
+        f"x {args.threads} {WORKER_CLASS}",
+        flush=True,
+    )
+    bench_app.prepare_database(args.database_url)
+    bench_app.reset_database(args.database_url)
+    if uses_redis:
+        flush_bench_redis(args.redis_url)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUNICORN")}
+    env["BENCH_DATABASE_URL"] = args.database_url
+    env["BENCH_REDIS_URL"] = args.redis_url
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    started = time.time()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        workdir = Path(tmp)
+        servers = [Server(s, env, workdir, args.workers, args.threads) for s in subjects]
+        try:
+            with Servers(servers) as running:
+                rows = _measure(args, run_id, subjects, paths, tool, running, workdir)
+        except BaseException:
+            for server in servers:
+                if server.log_path.exists():
+                    tail = server.log_path.read_text(errors="replace")[-3000:]
+                    print(f"--- {server.subject} gunicorn log ---\n{tail}", file=sys.stderr)
+            raise
+    meta = {
+        "run_id": run_id,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "wall_seconds": round(time.time() - started, 1),
+        "rounds": args.rounds,
+        "duration": args.duration,
+        "load_tool": tool,
+        "saturation_connections": args.connections,
+        "gunicorn": f"{args.workers} workers x {args.threads} threads, {WORKER_CLASS}",
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "postgres": _server_setting(args.database_url, "server_version"),
+        "synchronous_commit": _server_setting(args.database_url, "synchronous_commit"),
+        "notes": notes,
+    }
+    summary = report.summarize(rows, subjects, BASELINE)
+    written = report.write(summary, rows, meta, args.output_dir)
+    print(written.markdown, flush=True)
+    print(f"written: {written.markdown_path} and {written.json_path}")
+    return 0
+
+
+def _measure(
+    args: argparse.Namespace,
+    run_id: str,
+    subjects: Sequence[str],
+    paths: Sequence[str],
+    tool: str,
+    servers: Servers,
+    workdir: Path,
+) -> list[dict[str, Any]]:
+    keys_files: dict[str, Path] = {}
+    if "replay" in paths:
+        for subject in subjects:
+            keys = [f"{run_id}-replay-{_slug(subject)}-{i}" for i in range(args.replay_keys)]
+            precomplete(servers.by_subject[subject].url, keys)
+            keys_files[subject] = workdir / f"keys-{_slug(subject)}.txt"
+            keys_files[subject].write_text("\n".join(keys) + "\n")
+        print(f"pre-completed {args.replay_keys} replay keys per subject", flush=True)
+
+    def spec(subject: str, path: str, conns: int, duration: float, tag: str) -> load.LoadSpec:
+        return load.LoadSpec(
+            url=servers.by_subject[subject].url + CHARGES_PATH,
+            path=path,
+            connections=conns,
+            duration=duration,
+            key_prefix=f"{run_id}-{tag}-{_slug(subject)}-{path}-{conns}",
+            keys_file=keys_files.get(subject),
+        )
+
+    if args.warmup > 0:
+        for subject in subjects:
+            for path in paths:
+                load.run_load(spec(subject, path, args.connections, args.warmup, "warm"), tool)
+        print("warmed up", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    plan = cells(paths, args.connections)
+    for round_no in range(args.rounds):
+        for path, conns in plan:
+            line = []
+            for subject in rotated(subjects, round_no):
+                result = load.run_load(
+                    spec(subject, path, conns, args.duration, f"r{round_no}"), tool
+                )
+                rows.append(
+                    {
+                        "round": round_no,
+                        "subject": subject,
+                        "path": path,
+                        "connections": conns,
+                        **result.as_dict(),
+                    }
+                )
+                line.append(f"{subject} {result.rps:.0f}/s p50 {result.p50_ms:.2f}")
+            print(f"round {round_no + 1} {path:6} c={conns:<3} " + " | ".join(line), flush=True)
+    return rows
+
+
+def _server_setting(dsn: str, name: str) -> str:
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT current_setting(%s)", (name,))
+            row = cur.fetchone()
+            return str(row[0]) if row else "?"
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

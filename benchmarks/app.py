@@ -1,0 +1,251 @@
+"""The benchmark's application: one tiny payment endpoint, built once per subject.
+
+Every subject does the same business work - parse the JSON body, INSERT one
+row in PostgreSQL inside a transaction, answer 201 with a small JSON body - so
+that the only difference between two subjects is what idempotency adds:
+
+``bare``
+    no idempotency; the row is written on a connection from a small
+    per-process pool with BEGIN / INSERT / COMMIT (three round trips, exactly
+    the business round trips the extension's subjects make through
+    ``idempotency.connection()``).
+``pg``
+    the extension, PostgreSQL only (the claim commits asynchronously, the
+    default).
+``pg+redis``
+    the extension with the Redis cache of completed responses.
+``pg-synccommit``
+    ``pg`` with ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT`` off: the claim waits for its
+    WAL flush like any durable commit. It exists to put a number on that setting.
+
+gunicorn builds an app with ``benchmarks.app:create_app("pg")``; the server's
+addresses come from ``BENCH_DATABASE_URL`` and ``BENCH_REDIS_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg2
+import psycopg2.errors
+import psycopg2.extensions
+from flask import Flask, Response, jsonify, request
+
+from flask_idempotency import Idempotency
+
+#: The subjects, in the order the report lists them; ``bare`` is the baseline.
+SUBJECTS: tuple[str, ...] = ("bare", "pg", "pg+redis", "pg-synccommit")
+BASELINE = "bare"
+
+#: A database of the benchmark's own: the test suite truncates every table of
+#: the database it runs on, which would wipe pre-completed replay keys mid-run.
+DEFAULT_DATABASE_URL = "postgresql://postgres@127.0.0.1:5432/idempotency_bench"
+#: Likewise a Redis database number the tests do not flush.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/13"
+#: Cache keys of the benchmark, kept apart from any application's.
+REDIS_PREFIX = "bench-idempotency"
+
+#: Connections per worker process, the same for the bare pool and the
+#: extension's (its default ``IDEMPOTENCY_POOL_SIZE``): each in-flight
+#: request holds one, so it only has to exceed the threads per worker.
+POOL_SIZE = 10
+
+BUSINESS_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_charges (
+    id          bigserial   PRIMARY KEY,
+    amount      integer     NOT NULL,
+    currency    text        NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now()
+)
+"""
+INSERT_CHARGE = "INSERT INTO bench_charges (amount, currency) VALUES (%s, %s) RETURNING id"
+
+#: The one request body every load generator sends (a key is bound to its body).
+REQUEST_BODY = b'{"amount": 1000, "currency": "usd"}'
+CHARGES_PATH = "/charges"
+HEALTH_PATH = "/healthz"
+
+
+def database_url() -> str:
+    return os.environ.get("BENCH_DATABASE_URL") or DEFAULT_DATABASE_URL
+
+
+def redis_url() -> str:
+    return os.environ.get("BENCH_REDIS_URL") or DEFAULT_REDIS_URL
+
+
+def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
+    """The ``IDEMPOTENCY_*`` configuration of an extension subject."""
+    if subject not in SUBJECTS or subject == BASELINE:
+        raise ValueError(f"not an extension subject: {subject!r}")
+    config: dict[str, Any] = {
+        "IDEMPOTENCY_DATABASE_URL": dsn,
+        "IDEMPOTENCY_POOL_SIZE": POOL_SIZE,
+    }
+    if subject == "pg+redis":
+        config["IDEMPOTENCY_REDIS_URL"] = redis
+        config["IDEMPOTENCY_REDIS_PREFIX"] = REDIS_PREFIX
+    if subject == "pg-synccommit":
+        config["IDEMPOTENCY_ASYNC_CLAIM_COMMIT"] = False
+    return config
+
+
+class BarePool:
+    """A minimal fork-aware pool of psycopg2 connections for the ``bare`` subject.
+
+    Deliberately as cheap as the extension's own pool (a lock and a deque), so
+    that the baseline is not slowed by a heavier pool than the subjects use:
+    the ratios would then flatter the extension.
+    """
+
+    def __init__(self, dsn: str, max_idle: int = POOL_SIZE) -> None:
+        self._dsn = dsn
+        self._max_idle = max_idle
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._idle: deque[psycopg2.extensions.connection] = deque()
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg2.extensions.connection]:
+        """A connection in psycopg2's default (transactional) mode; given back
+        idle, or closed if anything went wrong on it."""
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+            self._pid, self._idle = os.getpid(), deque()
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None or conn.closed:
+            conn = psycopg2.connect(self._dsn)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            if len(self._idle) < self._max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+
+def _read_charge() -> tuple[int, str]:
+    """The business input; a malformed body is the client's 400 in every subject."""
+    payload = request.get_json(force=True)
+    return int(payload["amount"]), str(payload["currency"])
+
+
+def _created(row_id: int, amount: int, currency: str) -> Response:
+    response = jsonify(id=row_id, amount=amount, currency=currency, status="succeeded")
+    response.status_code = 201
+    return response
+
+
+def create_app(subject: str | None = None, config: Mapping[str, Any] | None = None) -> Flask:
+    """The app of one subject (``BENCH_SUBJECT`` when not given).
+
+    ``config`` overrides the subject's configuration (the round-trip test and
+    the profiler pass their own).
+    """
+    subject = subject or os.environ.get("BENCH_SUBJECT", "")
+    if subject not in SUBJECTS:
+        raise ValueError(f"unknown subject {subject!r}; choose from {', '.join(SUBJECTS)}")
+    app = Flask(__name__)
+    app.config["BENCH_SUBJECT"] = subject
+
+    @app.get(HEALTH_PATH)
+    def healthz() -> str:
+        return subject
+
+    if subject == BASELINE:
+        pool = BarePool(database_url())
+
+        @app.post(CHARGES_PATH)
+        def bare_charge() -> Response:
+            amount, currency = _read_charge()
+            with pool.connection() as conn:
+                with conn.cursor() as cur:  # psycopg2 sends BEGIN before the INSERT
+                    cur.execute(INSERT_CHARGE, (amount, currency))
+                    row = cur.fetchone()
+                conn.commit()
+            assert row is not None
+            return _created(int(row[0]), amount, currency)
+
+        return app
+
+    app.config.update(subject_config(subject, database_url(), redis_url()))
+    app.config.update(config or {})
+    idempotency = Idempotency(app)
+
+    @app.post(CHARGES_PATH)
+    @idempotency.required
+    def charge() -> Response:
+        amount, currency = _read_charge()
+        with idempotency.connection().cursor() as cur:
+            cur.execute(INSERT_CHARGE, (amount, currency))
+            row = cur.fetchone()
+        assert row is not None
+        return _created(int(row[0]), amount, currency)
+
+    return app
+
+
+def prepare_database(dsn: str) -> None:
+    """Create the benchmark's database if missing, its table, and the extension's schema.
+
+    Run once by the runner before any server starts, so that workers never
+    migrate concurrently and no subject pays for it inside a measurement.
+    """
+    _create_database_if_missing(dsn)
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(BUSINESS_TABLE)
+    finally:
+        conn.close()
+    app = Flask(__name__)
+    app.config.update(IDEMPOTENCY_DATABASE_URL=dsn, IDEMPOTENCY_AUTO_MIGRATE=True)
+    Idempotency(app)
+    app.extensions["idempotency"].close()
+
+
+def reset_database(dsn: str) -> None:
+    """Empty the benchmark's tables, so every run starts from the same sizes."""
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("TRUNCATE bench_charges, idempotency_records RESTART IDENTITY")
+    finally:
+        conn.close()
+    conn = psycopg2.connect(dsn)
+    try:
+        conn.autocommit = True  # VACUUM refuses to run in a transaction block
+        with conn.cursor() as cur:
+            cur.execute("VACUUM ANALYZE bench_charges, idempotency_records")
+    finally:
+        conn.close()
+
+
+def _create_database_if_missing(dsn: str) -> None:
+    params = psycopg2.extensions.parse_dsn(dsn)
+    name = params.get("dbname")
+    if not name:
+        return
+    try:
+        psycopg2.connect(dsn).close()
+        return
+    except psycopg2.OperationalError as exc:
+        if "does not exist" not in str(exc):
+            raise
+    admin = psycopg2.connect(**{**params, "dbname": "postgres"})
+    try:
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+    except psycopg2.errors.DuplicateDatabase:
+        pass  # created meanwhile by another run
+    finally:
+        admin.close()
