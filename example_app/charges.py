@@ -20,7 +20,6 @@ from flask import Blueprint, Response, current_app, jsonify, request, url_for
 from typing_extensions import assert_never
 
 from example_app.auth import current_owner, require_api_key
-from example_app.body import body_read_first
 from example_app.errors import json_error, resource_missing
 from example_app.extensions import idempotency
 from example_app.processor_client import (
@@ -97,7 +96,6 @@ def processor_client() -> ProcessorClient:
 
 @bp.post("/v1/charges")
 @require_api_key
-@body_read_first
 @idempotency.required
 def create_charge() -> Response:
     charge = load_charge_request(request)

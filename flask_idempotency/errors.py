@@ -17,6 +17,7 @@ class IdempotencyError(HTTPException):
     """Base class: a JSON error with ``type: idempotency_error`` and a stable ``error_code``."""
 
     code = 400
+    error_type = "idempotency_error"
     error_code = "idempotency_error"
     description = "Idempotency error."
     #: Whole seconds for ``Retry-After``; ``None`` leaves the header out.
@@ -30,7 +31,7 @@ class IdempotencyError(HTTPException):
     def body(self) -> dict[str, Any]:
         return {
             "error": {
-                "type": "idempotency_error",
+                "type": self.error_type,
                 "code": self.error_code,
                 "message": self.description,
             }
@@ -56,6 +57,16 @@ class InvalidKey(IdempotencyError):
     code = 400
     error_code = "invalid_key"
     description = "The Idempotency-Key must be 1 to 255 visible ASCII characters (0x21-0x7E)."
+
+
+class MalformedBody(IdempotencyError):
+    """The request body could not be read (broken chunked framing, a client gone
+    mid-body): a 400 before anything is claimed, never a 500."""
+
+    code = 400
+    error_type = "invalid_request_error"
+    error_code = "malformed_body"
+    description = "The request body could not be read."
 
 
 class KeyReused(IdempotencyError):
@@ -105,6 +116,7 @@ class ResponseTooLarge(IdempotencyError):
 ALL_ERRORS: Iterable[type[IdempotencyError]] = (
     MissingKey,
     InvalidKey,
+    MalformedBody,
     KeyReused,
     RequestInProgress,
     LeaseLost,

@@ -32,6 +32,7 @@ from .errors import (
 )
 from .lease import LeaseKeeper
 from .metrics import Metrics
+from .request_body import read_body
 from .settings import FingerprintFunc, ScopeFunc, Settings, ShouldStore, settings_from_config
 from .store.base import (
     Existing,
@@ -266,6 +267,7 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
     scope_func = options.scope_func or settings.scope_func
     fingerprint_func = options.fingerprint_func or settings.fingerprint_func
     record_key = keys.record_key(scope_func(request), key)
+    read_body(request)
     fingerprint = fingerprint_func(request)
     ctx = RequestState(
         state=state,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -359,3 +360,41 @@ def test_init_app_twice_is_an_error(make_app: MakeApp) -> None:
     app = make_app()
     with pytest.raises(RuntimeError, match="already"):
         app.extensions["idem"].init_app(app)
+
+
+def test_chunked_body_over_the_limit_is_413_not_truncated(make_app: MakeApp) -> None:
+    app = make_app()
+    app.config["MAX_CONTENT_LENGTH"] = 100
+    body = b'{"pad": "' + b"x" * 200 + b'"}'
+    response = app.test_client().post(
+        "/charges",
+        input_stream=io.BytesIO(body),
+        headers={
+            "Idempotency-Key": "k",
+            "Content-Type": "application/json",
+            "Transfer-Encoding": "chunked",
+        },
+        environ_overrides={"wsgi.input_terminated": True},  # as gunicorn sets it
+    )
+    assert response.status_code == 413
+    assert runs(app) == []
+
+
+def test_unreadable_body_is_400_malformed_body(make_app: MakeApp) -> None:
+    class BrokenStream(io.BytesIO):
+        def read(self, *args: Any) -> bytes:
+            raise OSError("the client's chunked framing is broken")
+
+        def readinto(self, *args: Any) -> int:
+            raise OSError("the client's chunked framing is broken")
+
+    app = make_app()
+    response = app.test_client().post(
+        "/charges",
+        input_stream=BrokenStream(b"0123456789"),
+        headers={"Idempotency-Key": "k", "Content-Type": "application/json"},
+        content_length=10,
+    )
+    assert response.status_code == 400
+    assert response.get_json()["error"]["code"] == "malformed_body"
+    assert runs(app) == []

@@ -115,11 +115,12 @@ def test_retry_after_bounds() -> None:
 
 
 def test_settings_are_read_and_validated() -> None:
+    bad_configs: list[tuple[dict[str, object], str]]
     settings = settings_from_config(
         {"database_url": "postgresql://x", "ttl": timedelta(hours=1), "lease": "10", "wait": 0}
     )
     assert settings.ttl == 3600 and settings.lease == 10 and settings.renew_interval == 10 / 3
-    for bad, message in [
+    bad_configs = [
         ({}, "DATABASE_URL"),
         ({"database_url": "x", "ttl": -1}, "TTL"),
         ({"database_url": "x", "lease": "soon"}, "LEASE"),
@@ -128,6 +129,7 @@ def test_settings_are_read_and_validated() -> None:
         ({"database_url": "x", "scope_func": "nope"}, "callable"),
         ({"database_url": "x", "no_such_key": 1}, "Unknown"),
         ({"database_url": "x", "auto_migrate": "maybe"}, "boolean"),
-    ]:
+    ]
+    for bad, message in bad_configs:
         with pytest.raises(ValueError, match=message):
             settings_from_config(bad)

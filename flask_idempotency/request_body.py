@@ -1,0 +1,34 @@
+"""Reading the request body before it is fingerprinted: a client's framing is a 4xx.
+
+The fingerprint needs the whole body. A body the server cannot deliver (broken
+chunked framing, a client gone mid-body) raises from the WSGI server's own
+parser, which Flask would turn into a 500; and a chunked body over
+``MAX_CONTENT_LENGTH`` is cut at the limit by Werkzeug without an error, which
+would fingerprint (and let the view act on) only its first part.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Request
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from .errors import MalformedBody
+
+log = logging.getLogger("flask_idempotency")
+
+
+def read_body(request: Request) -> bytes:
+    """The whole body (cached on the request for the view), or a 4xx."""
+    try:
+        data = request.get_data(cache=True)
+    except RequestEntityTooLarge:
+        raise  # a declared length over the limit: the app's 413
+    except Exception as exc:  # the server's parser refused the framing, or a disconnect
+        log.info("idempotency: unreadable request body (%s)", type(exc).__name__)
+        raise MalformedBody() from None
+    limit = request.max_content_length
+    if limit is not None and request.content_length is None and len(data) >= limit:
+        raise RequestEntityTooLarge()
+    return data
