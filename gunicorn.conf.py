@@ -56,6 +56,10 @@ keepalive = 5
 # No preload: the app (its PostgreSQL pool, Redis client and lease-renewal thread)
 # is built in each worker after the fork, never shared across processes.
 preload_app = False
+# gunicorn >= 25.1 opens a per-user control socket ($HOME/.gunicorn/gunicorn.ctl);
+# several servers on one host (blue/green, tests, the benchmark) would take it from
+# each other, and this deployment does not use it.
+control_socket_disable = True
 
 
 def when_ready(server: Any) -> None:
