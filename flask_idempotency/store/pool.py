@@ -25,7 +25,29 @@ from .base import StoreUnavailableError
 Connection = psycopg2.extensions.connection
 
 
-class ConnectionPool:
+class _Pool:
+    """What both pools share: a connection borrowed for a ``with`` block."""
+
+    def getconn(self) -> Connection:
+        raise NotImplementedError
+
+    def putconn(self, conn: Connection, *, discard: bool = False) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        conn = self.getconn()
+        broken = False
+        try:
+            yield conn
+        except psycopg2.Error:
+            broken = bool(conn.closed)
+            raise
+        finally:
+            self.putconn(conn, discard=broken)
+
+
+class ConnectionPool(_Pool):
     """Connections to one DSN; at most ``max_size`` open per process."""
 
     def __init__(
@@ -101,23 +123,11 @@ class ConnectionPool:
         for conn in idle:
             _close_quietly(conn)
 
-    @contextmanager
-    def connection(self) -> Iterator[Connection]:
-        conn = self.getconn()
-        broken = False
-        try:
-            yield conn
-        except psycopg2.Error:
-            broken = bool(conn.closed)
-            raise
-        finally:
-            self.putconn(conn, discard=broken)
-
     def close(self) -> None:
         self.discard_idle()
 
 
-class BorrowedPool:
+class BorrowedPool(_Pool):
     """Adapts an application's own ``psycopg2.pool`` to the interface above."""
 
     def __init__(self, pool: psycopg2.pool.AbstractConnectionPool) -> None:
@@ -144,18 +154,6 @@ class BorrowedPool:
 
     def discard_idle(self) -> None:
         """The borrowed pool's idle connections are the application's to manage."""
-
-    @contextmanager
-    def connection(self) -> Iterator[Connection]:
-        conn = self.getconn()
-        broken = False
-        try:
-            yield conn
-        except psycopg2.Error:
-            broken = bool(conn.closed)
-            raise
-        finally:
-            self.putconn(conn, discard=broken)
 
     def close(self) -> None:
         """The application owns the pool's lifetime."""
