@@ -2,7 +2,8 @@
 
 The fingerprint needs the whole body. A body the server cannot deliver (broken
 chunked framing, a client gone mid-body) raises from the WSGI server's own
-parser, which Flask would turn into a 500; and a chunked body over
+parser, which Flask would turn into a 500, or arrives silently cut short of
+its Content-Length; and a chunked body over
 ``MAX_CONTENT_LENGTH`` is cut at the limit by Werkzeug without an error, which
 would fingerprint (and let the view act on) only its first part.
 """
@@ -28,7 +29,14 @@ def read_body(request: Request) -> bytes:
     except Exception as exc:  # the server's parser refused the framing, or a disconnect
         log.info("idempotency: unreadable request body (%s)", type(exc).__name__)
         raise MalformedBody() from None
+    declared = request.content_length
+    if declared is not None and len(data) < declared:
+        # The client went away mid-body. Servers that mark their input as terminated
+        # (gunicorn sets wsgi.input_terminated) hand over the short body without an
+        # error, so the view would act on part of a request.
+        log.info("idempotency: request body shorter than its Content-Length")
+        raise MalformedBody()
     limit = request.max_content_length
-    if limit is not None and request.content_length is None and len(data) >= limit:
+    if limit is not None and declared is None and len(data) >= limit:
         raise RequestEntityTooLarge()
     return data
