@@ -23,10 +23,14 @@ def parse_key(raw: str | None) -> str | None:
     Accepts the Structured-Field string form (``"abc"``) as ``abc``, since the
     IETF draft defines the header as an sf-string and some clients quote it.
     Raises :class:`InvalidKey` for anything else outside 1..255 visible ASCII.
+
+    Surrounding spaces and tabs are not part of a field value (RFC 9110 §5.5);
+    gunicorn strips them but Werkzeug's server keeps trailing ones, so they are
+    dropped here, or one key would be valid under one server and not another.
     """
     if raw is None:
         return None
-    key = raw
+    key = raw.strip(" \t")
     if len(key) >= 2 and key[0] == '"' and key[-1] == '"':
         key = _unquote_sf_string(key[1:-1])
     if not key or len(key) > MAX_KEY_LENGTH or not _VISIBLE_ASCII.issuperset(key):
