@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -32,7 +33,7 @@ import psycopg2
 import redis
 
 from . import app as bench_app
-from . import load, report
+from . import cpu, load, report
 from .app import BASELINE, CHARGES_PATH, HEALTH_PATH, REQUEST_BODY, SUBJECTS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,12 @@ SATURATION_CONNECTIONS = 16
 REPLAY_KEYS = 500
 
 
+#: Log lines worth reporting: the extension's warnings (a failing Redis call, a
+#: PostgreSQL error) all start with "idempotency:" and reach the log through
+#: logging's last-resort handler; gunicorn tags worker timeouts and crashes.
+_LOG_FLAGS = ("idempotency:", "Traceback", "[WARNING]", "[ERROR]", "[CRITICAL]")
+
+
 class Server:
     """One subject's gunicorn, on a free loopback port, in its own session."""
 
@@ -75,6 +82,12 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError(f"gunicorn for {self.subject} is not running")
+        return self._proc.pid
 
     def start(self, timeout: float = 30.0) -> None:
         # An empty config file: without --config gunicorn would read the
@@ -127,6 +140,17 @@ class Server:
                 pass
             time.sleep(0.1)
         return False
+
+    def log_note(self) -> str | None:
+        """A line for the report if the server logged warnings or errors (a Redis
+        timeout, a 503) during the run: figures from such a run need a second look."""
+        if not self.log_path.exists():
+            return None
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        flagged = [line for line in lines if any(w in line for w in _LOG_FLAGS)]
+        if not flagged:
+            return None
+        return f"{self.subject}: {len(flagged)} warning/error log lines, first: {flagged[0][:200]}"
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -265,9 +289,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks",
         description="The cost of idempotency: subjects interleaved, ratios to bare, medians.",
     )
-    parser.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=7, help="rounds (default 7)")
     parser.add_argument(
-        "--duration", type=float, default=4.0, help="seconds per cell (default 4; wrk: whole s)"
+        "--duration", type=float, default=3.0, help="seconds per cell (default 3; wrk: whole s)"
     )
     parser.add_argument(
         "--warmup", type=float, default=1.0, help="seconds of discarded load per server and path"
@@ -342,13 +366,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     env["BENCH_REDIS_URL"] = args.redis_url
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     started = time.time()
+    load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         workdir = Path(tmp)
         servers = [Server(s, env, workdir, args.workers, args.threads) for s in subjects]
         try:
-            with Servers(servers) as running:
-                rows = _measure(args, run_id, subjects, paths, tool, running, workdir)
+            meter = (
+                cpu.CpuMeter(args.database_url, args.redis_url if uses_redis else None)
+                if cpu.available()
+                else None
+            )
+            try:
+                with Servers(servers) as running:
+                    rows = _measure(args, run_id, subjects, paths, tool, running, workdir, meter)
+            finally:
+                if meter is not None:
+                    meter.close()
+            notes += [note for server in servers if (note := server.log_note())]
         except BaseException:
             for server in servers:
                 if server.log_path.exists():
@@ -365,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "saturation_connections": args.connections,
         "gunicorn": f"{args.workers} workers x {args.threads} threads, {WORKER_CLASS}",
         "cpus": os.cpu_count(),
+        # Other work on the machine during the run (1-minute load averages), for
+        # judging how much to trust the absolute figures.
+        "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "python": sys.version.split()[0],
         "postgres": _server_setting(args.database_url, "server_version"),
         "synchronous_commit": _server_setting(args.database_url, "synchronous_commit"),
@@ -385,6 +423,7 @@ def _measure(
     tool: str,
     servers: Servers,
     workdir: Path,
+    meter: cpu.CpuMeter | None,
 ) -> list[dict[str, Any]]:
     keys_files: dict[str, Path] = {}
     if "replay" in paths:
@@ -417,21 +456,40 @@ def _measure(
         for path, conns in plan:
             line = []
             for subject in rotated(subjects, round_no):
+                server = servers.by_subject[subject]
+                label = bench_app.application_name(subject)
+                before = meter.start(server.pid, label) if meter is not None else None
+                load_before = _children_cpu()
                 result = load.run_load(
                     spec(subject, path, conns, args.duration, f"r{round_no}"), tool
                 )
-                rows.append(
-                    {
-                        "round": round_no,
-                        "subject": subject,
-                        "path": path,
-                        "connections": conns,
-                        **result.as_dict(),
-                    }
-                )
+                row: dict[str, Any] = {
+                    "round": round_no,
+                    "subject": subject,
+                    "path": path,
+                    "connections": conns,
+                    **result.as_dict(),
+                    "cpu_load_us": _per_request(_children_cpu() - load_before, result.requests),
+                }
+                if meter is not None and before is not None:
+                    used = meter.delta(before, server.pid, label)
+                    row["cpu_app_us"] = _per_request(used.app, result.requests)
+                    row["cpu_postgres_us"] = _per_request(used.postgres, result.requests)
+                    row["cpu_redis_us"] = _per_request(used.redis, result.requests)
+                rows.append(row)
                 line.append(f"{subject} {result.rps:.0f}/s p50 {result.p50_ms:.2f}")
             print(f"round {round_no + 1} {path:6} c={conns:<3} " + " | ".join(line), flush=True)
     return rows
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children: the load generator's cost."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _per_request(seconds: float, requests: int) -> float | None:
+    return seconds / requests * 1e6 if requests else None
 
 
 def _server_setting(dsn: str, name: str) -> str:

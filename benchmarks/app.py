@@ -79,6 +79,12 @@ def redis_url() -> str:
     return os.environ.get("BENCH_REDIS_URL") or DEFAULT_REDIS_URL
 
 
+def application_name(subject: str) -> str:
+    """How a subject's PostgreSQL sessions are labelled in ``pg_stat_activity``,
+    so the runner can count the database CPU each subject's requests cost."""
+    return f"bench-{subject}"
+
+
 def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
     """The ``IDEMPOTENCY_*`` configuration of an extension subject."""
     if subject not in SUBJECTS or subject == BASELINE:
@@ -86,6 +92,7 @@ def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
     config: dict[str, Any] = {
         "IDEMPOTENCY_DATABASE_URL": dsn,
         "IDEMPOTENCY_POOL_SIZE": POOL_SIZE,
+        "IDEMPOTENCY_CONNECT_KWARGS": {"application_name": application_name(subject)},
     }
     if subject == "pg+redis":
         config["IDEMPOTENCY_REDIS_URL"] = redis
@@ -106,6 +113,7 @@ class BarePool:
     def __init__(self, dsn: str, max_idle: int = POOL_SIZE) -> None:
         self._dsn = dsn
         self._max_idle = max_idle
+        self._application_name = application_name(BASELINE)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._idle: deque[psycopg2.extensions.connection] = deque()
@@ -119,7 +127,7 @@ class BarePool:
         with self._lock:
             conn = self._idle.pop() if self._idle else None
         if conn is None or conn.closed:
-            conn = psycopg2.connect(self._dsn)
+            conn = psycopg2.connect(self._dsn, application_name=self._application_name)
         try:
             yield conn
         except BaseException:

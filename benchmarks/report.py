@@ -44,6 +44,26 @@ class CellSummary:
     added_p99_ms: float | None
     statuses: dict[str, int]
     errors: int
+    #: Median CPU microseconds per request in the app's workers, in its
+    #: PostgreSQL backends and in Redis (None where not measured), and the
+    #: median over rounds of their sum minus bare's: what the machine spends
+    #: on idempotency per request, the figure least moved by other load.
+    cpu_app_us: float | None = None
+    cpu_postgres_us: float | None = None
+    cpu_redis_us: float | None = None
+    added_cpu_us: float | None = None
+
+
+def _total_cpu(row: Mapping[str, Any]) -> float | None:
+    parts = [row.get(name) for name in ("cpu_app_us", "cpu_postgres_us", "cpu_redis_us")]
+    if any(p is None for p in parts):
+        return None
+    return float(sum(p for p in parts if p is not None))
+
+
+def _median_of(rows: Sequence[Mapping[str, Any]], name: str) -> float | None:
+    values = [float(r[name]) for r in rows if r.get(name) is not None]
+    return statistics.median(values) if values else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +101,7 @@ def summarize(
     for (subject, path, conns), cell_rows in sorted(
         by_cell.items(), key=lambda item: (item[0][1], item[0][2], order.get(item[0][0], 99))
     ):
-        ratios, d50, d99 = [], [], []
+        ratios, d50, d99, dcpu = [], [], [], []
         for row in cell_rows:
             base = base_by_round.get((path, conns, int(row["round"])))
             if base is None:
@@ -90,6 +110,9 @@ def summarize(
                 ratios.append(row["rps"] / base["rps"])
             d50.append(row["p50_ms"] - base["p50_ms"])
             d99.append(row["p99_ms"] - base["p99_ms"])
+            mine, theirs = _total_cpu(row), _total_cpu(base)
+            if mine is not None and theirs is not None:
+                dcpu.append(mine - theirs)
         statuses: Counter[str] = Counter()
         for row in cell_rows:
             statuses.update(row["statuses"])
@@ -109,6 +132,10 @@ def summarize(
                 added_p99_ms=statistics.median(d99) if d99 else None,
                 statuses=dict(sorted(statuses.items())),
                 errors=sum(int(r["errors"]) for r in cell_rows),
+                cpu_app_us=_median_of(cell_rows, "cpu_app_us"),
+                cpu_postgres_us=_median_of(cell_rows, "cpu_postgres_us"),
+                cpu_redis_us=_median_of(cell_rows, "cpu_redis_us"),
+                added_cpu_us=statistics.median(dcpu) if dcpu else None,
             )
         )
     return summaries
@@ -181,6 +208,13 @@ def _fmt(value: float | None, spec: str, signed: bool = False) -> str:
     return format(value, ("+" if signed else "") + spec)
 
 
+def _cpu(cell: CellSummary) -> str:
+    parts = (cell.cpu_app_us, cell.cpu_postgres_us, cell.cpu_redis_us)
+    if any(p is None for p in parts):
+        return "-"
+    return " / ".join(_fmt(p, ".0f") for p in parts)
+
+
 def _statuses(cell: CellSummary) -> str:
     total = sum(cell.statuses.values()) or 1
     parts = [f"{code}: {100.0 * n / total:.0f}%" for code, n in cell.statuses.items()]
@@ -199,16 +233,20 @@ def render_markdown(
         f"{meta['rounds']} rounds x {meta['duration']:g} s per cell, subjects interleaved "
         f"(order rotated each round); load from `{meta['load_tool']}`, saturation = "
         f"{meta['saturation_connections']} connections; gunicorn {meta['gunicorn']}; "
-        f"{meta['cpus']} CPUs; Python {meta['python']}; PostgreSQL {meta['postgres']} with "
-        f"synchronous_commit={meta['synchronous_commit']}.",
+        f"{meta['cpus']} CPUs (1-minute load average {meta['load_average'][0]} at the start, "
+        f"{meta['load_average'][1]} at the end); Python {meta['python']}; PostgreSQL "
+        f"{meta['postgres']} with synchronous_commit={meta['synchronous_commit']}.",
         "",
         "Absolute figures are medians over rounds. `x bare` is the median of per-round "
         "ratios of req/s to `bare` in the same cell (min-max over rounds in brackets); "
-        "`+p50`/`+p99` are the medians of per-round differences to `bare`, in ms.",
+        "`+p50`/`+p99` are the medians of per-round differences to `bare`, in ms. "
+        "`CPU us/req` is CPU time per request in the app's gunicorn workers / its "
+        "PostgreSQL backends / Redis (from /proc, so other load on the machine barely "
+        "moves it), and `+CPU` the per-round difference of their sum to `bare`.",
         "",
         "| path | conns | subject | req/s | p50 ms | p99 ms | x bare req/s | +p50 ms "
-        "| +p99 ms | answers |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|",
+        "| +p99 ms | CPU us/req app / pg / redis | +CPU us | answers |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for cell in summaries:
         if cell.ratio is not None and cell.ratio_min is not None and cell.ratio_max is not None:
@@ -219,7 +257,7 @@ def render_markdown(
             f"| {cell.path} | {cell.connections} | {cell.subject} | {cell.rps:.0f} "
             f"| {cell.p50_ms:.2f} | {cell.p99_ms:.2f} | {ratio} "
             f"| {_fmt(cell.added_p50_ms, '.2f', True)} | {_fmt(cell.added_p99_ms, '.2f', True)} "
-            f"| {_statuses(cell)} |"
+            f"| {_cpu(cell)} | {_fmt(cell.added_cpu_us, '.0f', True)} | {_statuses(cell)} |"
         )
     lines += [
         "",
