@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
+import psycopg2
 from flask import Flask, Response, current_app, g, request
 from flask.typing import ResponseReturnValue
 from typing_extensions import ParamSpec
@@ -50,6 +52,9 @@ View = Callable[P, R]
 
 EXTENSION_KEY = "idempotency"
 
+#: Driver errors that mean "PostgreSQL cannot be reached", as opposed to a failing statement.
+_UNREACHABLE = (psycopg2.OperationalError, psycopg2.InterfaceError)
+
 
 @dataclasses.dataclass
 class IdempotencyState:
@@ -60,6 +65,21 @@ class IdempotencyState:
     cache: ResponseCache
     keeper: LeaseKeeper
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
+    #: ``IDEMPOTENCY_AUTO_MIGRATE`` found PostgreSQL unreachable at start-up: the
+    #: migrations run before the first request that reaches it instead.
+    migrations_pending: bool = False
+    _migrate_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def migrate_if_pending(self) -> None:
+        """Apply the pending migrations once; raises ``StoreUnavailableError`` while
+        PostgreSQL is still unreachable (the caller answers 503)."""
+        if not self.migrations_pending:
+            return
+        with self._migrate_lock:
+            if self.migrations_pending:
+                self.store.migrate(self.settings.migration_dirs)
+                self.migrations_pending = False
+                log.warning("idempotency: PostgreSQL is back; migrations applied")
 
     def close(self) -> None:
         """Stop the keeper and close the pool and cache (tests, app shutdown)."""
@@ -123,7 +143,20 @@ class Idempotency:
         app.teardown_request(_teardown_request)
         app.cli.add_command(cli.group)
         if settings.auto_migrate:
-            store.migrate(settings.migration_dirs)
+            state.migrations_pending = True
+            try:
+                state.migrate_if_pending()
+            except StoreUnavailableError as exc:
+                if not isinstance(exc.__cause__, _UNREACHABLE):
+                    raise  # a migration that fails on a live database must stop the start
+                # Under gunicorn a worker that raises here makes the master halt every
+                # worker: a database outage while one worker restarts would take the
+                # whole API down for good. Start anyway; requests answer 503 until the
+                # database is back, and the first one that reaches it migrates.
+                log.error(
+                    "idempotency: PostgreSQL unreachable at start (%s); migrating once it answers",
+                    exc,
+                )
 
     # -- decorators ---------------------------------------------------------
 
@@ -220,6 +253,7 @@ class Idempotency:
         committed on success, rolled back on an exception; 503 if unreachable."""
         state = _app_state()
         try:
+            state.migrate_if_pending()
             with state.store.transaction() as conn:
                 yield conn
         except StoreUnavailableError as exc:
@@ -292,6 +326,11 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
 
     lease = options.lease if options.lease is not None else settings.lease
     wait = options.wait if options.wait is not None else settings.wait
+    try:
+        state.migrate_if_pending()
+    except StoreUnavailableError as exc:
+        state.metrics.inc("store_unavailable")
+        raise StoreUnavailable(retry_after=settings.retry_after) from exc
     ctx.tx = state.store.begin()
     decision, existing = _claim(ctx, lease)
     deadline = time.monotonic() + wait
