@@ -17,6 +17,7 @@ import secrets
 import sys
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -27,6 +28,9 @@ from .stack import Stack, StackOptions, drop_stale_databases, own_database, runn
 #: a hung test dumps every thread's stack and ends the run, instead of eating
 #: the CI job's whole time budget.
 TEST_TIME_LIMIT = 180.0
+
+#: Redis logical database of the stacks on the run's Redis (see ``stack_redis_url``).
+REDIS_DB = 14
 
 
 @pytest.fixture
@@ -64,11 +68,18 @@ def server_database_url(database_url: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def stack(server_database_url: str, redis_url: str) -> Iterator[Stack]:
+def stack_redis_url(redis_url: str) -> str:
+    """The run's Redis server, in a logical database of this suite's own: other tests
+    FLUSHDB theirs, which must not empty the cache under a test that counts on it."""
+    return str(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}").geturl())
+
+
+@pytest.fixture(scope="session")
+def stack(server_database_url: str, stack_redis_url: str) -> Iterator[Stack]:
     """The shared stack: its own database on the run's PostgreSQL (behind a proxy the
     tests may cut), the run's Redis, four gunicorn workers, the default lease."""
     with own_database(server_database_url) as url:
-        with running_stack(url, redis_url, StackOptions(pg_proxy=True)) as running:
+        with running_stack(url, stack_redis_url, StackOptions(pg_proxy=True)) as running:
             yield running
 
 

@@ -48,11 +48,14 @@ SETTLE_AFTER_KILL = 1.2
 
 
 @pytest.fixture(scope="module")
-def crash_stack(server_database_url: str, redis_url: str) -> Iterator[Stack]:
+def crash_stack(server_database_url: str, stack_redis_url: str) -> Iterator[Stack]:
     options = StackOptions(
         workers=WORKERS, lease_seconds=LEASE, processor_timeout=PROCESSOR_TIMEOUT
     )
-    with own_database(server_database_url) as url, running_stack(url, redis_url, options) as stack:
+    with (
+        own_database(server_database_url) as url,
+        running_stack(url, stack_redis_url, options) as stack,
+    ):
         yield stack
 
 

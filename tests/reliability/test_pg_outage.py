@@ -45,10 +45,12 @@ THREADS = 8
 #: thousands of keys to retry afterwards.
 PAUSE = 0.05
 BEFORE = 2.0
-OUTAGE = 3.0
+OUTAGE = 4.0
 #: How long the API may take to serve again once PostgreSQL accepts connections.
 RECOVERY_LIMIT = 10.0
 AFTER = 2.0
+#: Long enough for a replacement worker to import the app and try to reach PostgreSQL.
+WORKER_BOOT = 2.5
 
 #: What the API may answer at any time in this test: a charge (new or replayed),
 #: a fail-closed 503, or a 502 when the processor path failed.
@@ -62,9 +64,9 @@ def pg_server() -> Iterator[ThrowawayPostgres]:
 
 
 @pytest.fixture(scope="module")
-def outage_stack(pg_server: ThrowawayPostgres, redis_url: str) -> Iterator[Stack]:
+def outage_stack(pg_server: ThrowawayPostgres, stack_redis_url: str) -> Iterator[Stack]:
     options = StackOptions(workers=3, lease_seconds=LEASE, processor_timeout=PROCESSOR_TIMEOUT)
-    with running_stack(pg_server.dsn, redis_url, options) as stack:
+    with running_stack(pg_server.dsn, stack_redis_url, options) as stack:
         yield stack
 
 
@@ -120,6 +122,13 @@ def test_postgres_outage_fails_closed_and_recovers_without_restart(
         time.sleep(PROCESSOR_LATENCY + 0.5)
         ledger_quiet_from = len(stack.ledger())
         health_during = http_request("GET", stack.url + "/healthz", timeout=10).status
+        # A worker dies while the database is away (OOM, a bug): its replacement must
+        # boot without PostgreSQL, and gunicorn must not give up on the whole server.
+        victim = workers_before[0]
+        stack.app.kill_worker(victim)
+        replacement = set(stack.app.wait_for_workers(exclude=[victim])) - set(workers_before)
+        time.sleep(WORKER_BOOT)
+        master_survived = stack.app.running
         time.sleep(max(0.0, OUTAGE - (time.monotonic() - down_at)))
         ledger_quiet_to = len(stack.ledger())
         up_at = time.monotonic()
@@ -130,6 +139,7 @@ def test_postgres_outage_fails_closed_and_recovers_without_restart(
     finally:
         answers = loop.stop()
         stack.control(latency_seconds=0)
+    assert master_survived, "gunicorn halted: a worker could not boot without PostgreSQL"
     workers_after = stack.app.worker_pids()
 
     try:
@@ -154,7 +164,9 @@ def test_postgres_outage_fails_closed_and_recovers_without_restart(
         seconds_to_recover=(
             round(recovered_at - back_at, 2) if recovered_at is not None else "never"
         ),
-        workers_restarted=len(set(workers_before) - set(workers_after)),
+        worker_killed_during_outage=1,
+        gunicorn_master_survived=master_survived,
+        workers_restarted_otherwise=len(set(workers_before) - set(workers_after) - {victim}),
         retries_after=dict(retries),
         processor_calls=dict(stack.processor_outcomes(run_id)),
         effective_charges=sum(charged.values()),
@@ -177,7 +189,7 @@ def test_postgres_outage_fails_closed_and_recovers_without_restart(
     assert ledger_quiet_to == ledger_quiet_from, "the processor was called without a claim"
     assert health_during == 503
     assert recovered_at is not None, "no new charge succeeded after PostgreSQL came back"
-    assert workers_after == workers_before, "workers were restarted"
+    assert set(workers_after) == set(workers_before) - {victim} | replacement, "workers restarted"
 
     by_key: dict[str, set[bytes]] = defaultdict(set)
     for answer in [*answers, *final.values()]:
