@@ -153,7 +153,9 @@ def kinds(trace: Trace) -> list[str]:
 
 def _statement_kind(sql: str) -> str:
     flat = " ".join(sql.split())
-    if "INSERT INTO idempotency_records" in flat:
+    # The claim as one statement, or as a prepared statement's EXECUTE (with its
+    # PREPARE in front on a connection's first use - still one round trip).
+    if "INSERT INTO idempotency_records" in flat or "EXECUTE idempotency_claim" in flat:
         return "claim (async commit)" if "synchronous_commit TO off" in flat else "claim"
     if "idempotency_complete" in flat:
         return "complete+COMMIT" if flat.rstrip().endswith("COMMIT") else "complete"
