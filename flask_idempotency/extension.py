@@ -68,6 +68,8 @@ class IdempotencyState:
     #: ``IDEMPOTENCY_AUTO_MIGRATE`` found PostgreSQL unreachable at start-up: the
     #: migrations run before the first request that reaches it instead.
     migrations_pending: bool = False
+    #: The start-up migration failed for an outage and was put off (for the log).
+    migration_deferred: bool = False
     _migrate_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def migrate_if_pending(self) -> None:
@@ -79,7 +81,8 @@ class IdempotencyState:
             if self.migrations_pending:
                 self.store.migrate(self.settings.migration_dirs)
                 self.migrations_pending = False
-                log.warning("idempotency: PostgreSQL is back; migrations applied")
+                if self.migration_deferred:
+                    log.warning("idempotency: PostgreSQL is back; migrations applied")
 
     def close(self) -> None:
         """Stop the keeper and close the pool and cache (tests, app shutdown)."""
@@ -153,6 +156,7 @@ class Idempotency:
                 # worker: a database outage while one worker restarts would take the
                 # whole API down for good. Start anyway; requests answer 503 until the
                 # database is back, and the first one that reaches it migrates.
+                state.migration_deferred = True
                 log.error(
                     "idempotency: PostgreSQL unreachable at start (%s); migrating once it answers",
                     exc,
