@@ -398,3 +398,31 @@ def test_unreadable_body_is_400_malformed_body(make_app: MakeApp) -> None:
     assert response.status_code == 400
     assert response.get_json()["error"]["code"] == "malformed_body"
     assert runs(app) == []
+
+
+def test_claim_works_without_prepared_statements(make_app: MakeApp) -> None:
+    """For PgBouncer in transaction mode, which drops a session's prepared statements."""
+    app = make_app(IDEMPOTENCY_PREPARE_STATEMENTS=False)
+    assert post(app, {"amount": 1}).status_code == 201
+    assert post(app, {"amount": 1}).headers["Idempotent-Replayed"] == "true"
+    assert post(app, {"amount": 2}).status_code == 422
+    assert runs(app) == ["charges"]
+
+
+def test_a_replay_takes_no_row_lock(make_app: MakeApp, database_url: str) -> None:
+    """Replays and 409s only read: a hot key's duplicates never queue on its row."""
+    app = make_app()
+    post(app, {"amount": 1})
+    locker = psycopg2.connect(database_url)
+    try:
+        with locker.cursor() as cur:
+            cur.execute("SELECT 1 FROM idempotency_records FOR UPDATE")
+            outcome: list[TestResponse] = []
+            thread = threading.Thread(target=lambda: outcome.append(post(app, {"amount": 1})))
+            thread.start()
+            thread.join(5)
+            assert not thread.is_alive(), "the replay waited for the row lock"
+            assert outcome[0].headers["Idempotent-Replayed"] == "true"
+    finally:
+        locker.rollback()
+        locker.close()

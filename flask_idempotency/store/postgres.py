@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -36,20 +37,31 @@ log = logging.getLogger("flask_idempotency")
 #: SQLSTATE raised by ``idempotency_complete`` when the caller's lease was taken over.
 LEASE_LOST_SQLSTATE = "IK409"
 
-#: One statement claims the key or reads the existing row. The INSERT takes the
-#: key when it is new, when the old record expired (treated as absent), or when a
-#: processing record's lease ran out under the *same* request (a crashed holder).
-#: A different request under a dead holder's key stays a 422: the key is bound to
-#: its first request until the TTL ends. The second SELECT sees the existing row
-#: unless it was inserted concurrently after this statement's snapshot; the caller
-#: then simply runs the statement again.
-CLAIM = """
-WITH claimed AS (
+#: One statement claims the key or reads the existing row. It reads first, so a
+#: replay or a 409 takes no row lock and writes nothing (an ``ON CONFLICT DO
+#: UPDATE ... WHERE false`` alone would lock the row and write WAL for every
+#: duplicate). The INSERT then takes the key when it is new, when the old record
+#: expired (treated as absent), or when a processing record's lease ran out under
+#: the *same* request (a crashed holder). A different request under a dead
+#: holder's key stays a 422: the key is bound to its first request until the TTL
+#: ends. ``ON CONFLICT`` settles races with a concurrent claimer; when a row
+#: appears or vanishes between the read and the insert, neither branch returns a
+#: row and the caller simply runs the statement again.
+#: Parameters: $1 record key, $2 fingerprint, $3 lock token, $4 lease, $5 TTL (s).
+CLAIM_BODY = """
+WITH existing AS (
+    SELECT state, fingerprint, status_code, headers, body, lease_expires_at, expires_at
+      FROM idempotency_records WHERE record_key = $1
+), claimed AS (
     INSERT INTO idempotency_records AS r
         (record_key, fingerprint, state, lock_token, lease_expires_at, created_at, expires_at)
-    VALUES (%(key)s, %(fp)s, 'processing', %(token)s,
-            now() + make_interval(secs => %(lease)s), now(),
-            now() + make_interval(secs => %(ttl)s))
+    SELECT $1, $2, 'processing', $3, now() + make_interval(secs => $4), now(),
+           now() + make_interval(secs => $5)
+     WHERE NOT EXISTS (
+            SELECT 1 FROM existing e
+             WHERE e.expires_at > now()
+               AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
+                        AND e.fingerprint = $2))
     ON CONFLICT (record_key) DO UPDATE
        SET fingerprint = EXCLUDED.fingerprint, state = 'processing',
            lock_token = EXCLUDED.lock_token, lease_expires_at = EXCLUDED.lease_expires_at,
@@ -65,12 +77,31 @@ SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb, NULL::bytea,
        NULL::float8, NULL::float8
   FROM claimed
 UNION ALL
-SELECT false, state, fingerprint, status_code, headers, body,
-       extract(epoch FROM lease_expires_at - now())::float8,
-       extract(epoch FROM expires_at - now())::float8
-  FROM idempotency_records
- WHERE record_key = %(key)s AND NOT EXISTS (SELECT 1 FROM claimed)
+SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
+       extract(epoch FROM e.lease_expires_at - now())::float8,
+       extract(epoch FROM e.expires_at - now())::float8
+  FROM existing e
+ WHERE NOT EXISTS (SELECT 1 FROM claimed)
 """
+
+_CLAIM_PARAMS = ("key", "fp", "token", "lease", "ttl")
+
+#: Planning the claim costs about twice its execution, so each connection prepares
+#: it once; later claims send only ``EXECUTE``. Still one round trip either way.
+PREPARE_CLAIM = (
+    "PREPARE idempotency_claim (bytea, bytea, bigint, float8, float8) AS" + CLAIM_BODY + ";\n"
+)
+EXECUTE_CLAIM = "EXECUTE idempotency_claim (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s)"
+
+
+def _inline_parameters(sql: str) -> str:
+    """The claim with psycopg2 placeholders, for poolers that drop prepared statements."""
+    for number, name in reversed(list(enumerate(_CLAIM_PARAMS, start=1))):
+        sql = sql.replace(f"${number}", f"%({name})s")
+    return sql
+
+
+CLAIM = _inline_parameters(CLAIM_BODY)
 
 #: Prefix for the claim when ``async_claim_commit`` is on. Several statements in
 #: one simple query run as one implicit transaction, so SET LOCAL covers the claim
@@ -167,13 +198,12 @@ class PostgresRequest:
     ) -> ClaimResult:
         token = new_token()
         params = {"key": record_key, "fp": fingerprint, "token": token, "lease": lease, "ttl": ttl}
-        sql = (ASYNC_COMMIT_PREFIX + CLAIM) if self._store.async_claim_commit else CLAIM
         retried_connection = False
         for _ in range(5):
             conn = self._acquire()
             try:
                 with conn.cursor() as cur:
-                    cur.execute(sql, params)
+                    cur.execute(self._store.claim_sql(conn), params)
                     row = cur.fetchone()
             except _CONNECTION_ERRORS as exc:
                 self._drop()
@@ -279,9 +309,24 @@ class PostgresStore:
         pool: ConnectionPool | BorrowedPool,
         *,
         async_claim_commit: bool = True,
+        prepare_statements: bool = True,
     ) -> None:
         self.pool = pool
         self.async_claim_commit = async_claim_commit
+        self.prepare_statements = prepare_statements
+        self._prefix = ASYNC_COMMIT_PREFIX if async_claim_commit else ""
+        # Connections that have the claim prepared. A connection that fails is
+        # discarded, so a half-done PREPARE is never assumed.
+        self._prepared: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+    def claim_sql(self, conn: Connection) -> str:
+        """The claim's text for this connection: prepared on first use if enabled."""
+        if not self.prepare_statements:
+            return self._prefix + CLAIM
+        if conn in self._prepared:
+            return self._prefix + EXECUTE_CLAIM
+        self._prepared.add(conn)
+        return PREPARE_CLAIM + self._prefix + EXECUTE_CLAIM
 
     @classmethod
     def from_settings(cls, settings: Any) -> PostgresStore:
@@ -296,7 +341,11 @@ class PostgresStore:
                 connect_timeout=settings.connect_timeout,
                 connect_kwargs=dict(settings.connect_kwargs),
             )
-        return cls(pool, async_claim_commit=settings.async_claim_commit)
+        return cls(
+            pool,
+            async_claim_commit=settings.async_claim_commit,
+            prepare_statements=settings.prepare_statements,
+        )
 
     def begin(self) -> PostgresRequest:
         return PostgresRequest(self)
