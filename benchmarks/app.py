@@ -10,13 +10,12 @@ that the only difference between two subjects is what idempotency adds:
     the business round trips the extension's subjects make through
     ``idempotency.connection()``).
 ``pg``
-    the extension, PostgreSQL only (the claim commits asynchronously, the
-    default).
+    the extension, PostgreSQL only (the claim commits durably, the default).
 ``pg+redis``
     the extension with the Redis cache of completed responses.
-``pg-synccommit``
-    ``pg`` with ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT`` off: the claim waits for its
-    WAL flush like any durable commit. It exists to put a number on that setting.
+``pg-asynccommit``
+    ``pg`` with ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT`` on: the claim commits with
+    ``synchronous_commit = off``. It exists to put a number on that setting.
 
 gunicorn builds an app with ``benchmarks.app:create_app("pg")``; the server's
 addresses come from ``BENCH_DATABASE_URL`` and ``BENCH_REDIS_URL``.
@@ -39,7 +38,7 @@ from flask import Flask, Response, jsonify, request
 from flask_idempotency import Idempotency
 
 #: The subjects, in the order the report lists them; ``bare`` is the baseline.
-SUBJECTS: tuple[str, ...] = ("bare", "pg", "pg+redis", "pg-synccommit")
+SUBJECTS: tuple[str, ...] = ("bare", "pg", "pg+redis", "pg-asynccommit")
 BASELINE = "bare"
 
 #: A database of the benchmark's own: the test suite truncates every table of
@@ -97,8 +96,8 @@ def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
     if subject == "pg+redis":
         config["IDEMPOTENCY_REDIS_URL"] = redis
         config["IDEMPOTENCY_REDIS_PREFIX"] = REDIS_PREFIX
-    if subject == "pg-synccommit":
-        config["IDEMPOTENCY_ASYNC_CLAIM_COMMIT"] = False
+    if subject == "pg-asynccommit":
+        config["IDEMPOTENCY_ASYNC_CLAIM_COMMIT"] = True
     return config
 
 

@@ -240,7 +240,7 @@ def test_first_request_is_one_claim_and_a_completion_inside_the_business_commit(
     assert response.status_code == 201
     assert response.headers["Idempotent-Replayed"] == "false"
     assert kinds(trace) == [
-        "claim (async commit)",  # one statement: SET LOCAL and the claim, one round trip
+        "claim",  # one statement (prepared on the connection's first claim)
         "BEGIN",  # the business transaction, as in a bare app
         "business INSERT",
         "complete+COMMIT",  # the completion rides on the COMMIT: no extra round trip
@@ -248,11 +248,11 @@ def test_first_request_is_one_claim_and_a_completion_inside_the_business_commit(
     assert not any(s.strip().upper() == "COMMIT" for s in pg(trace)), "a separate COMMIT"
 
 
-def test_synchronous_claim_commit_is_still_one_statement(make_subject: MakeSubject) -> None:
-    subject = make_subject("pg-synccommit")
-    response, trace = subject.counted("first-sync")
+def test_asynchronous_claim_commit_is_still_one_statement(make_subject: MakeSubject) -> None:
+    subject = make_subject("pg-asynccommit")
+    response, trace = subject.counted("first-async")
     assert response.status_code == 201
-    assert kinds(trace) == ["claim", "BEGIN", "business INSERT", "complete+COMMIT"]
+    assert kinds(trace) == ["claim (async commit)", "BEGIN", "business INSERT", "complete+COMMIT"]
 
 
 def test_postgres_replay_is_the_claim_statement_alone(make_subject: MakeSubject) -> None:
@@ -262,7 +262,7 @@ def test_postgres_replay_is_the_claim_statement_alone(make_subject: MakeSubject)
     assert response.status_code == 201
     assert response.headers["Idempotent-Replayed"] == "true"
     assert response.get_data() == first.get_data()
-    assert kinds(trace) == ["claim (async commit)"]
+    assert kinds(trace) == ["claim"]
 
 
 def test_duplicate_of_an_in_progress_key_is_the_claim_statement_alone(
@@ -282,7 +282,7 @@ def test_duplicate_of_an_in_progress_key_is_the_claim_statement_alone(
     finally:
         holder.close()
     assert response.status_code == 409
-    assert kinds(trace) == ["claim (async commit)"]
+    assert kinds(trace) == ["claim"]
 
 
 @pytest.mark.skipif(
@@ -312,7 +312,7 @@ class TestWithRedis:
         assert response.status_code == 201
         assert kinds(trace) == [
             "GET",  # the miss
-            "claim (async commit)",
+            "claim",
             "BEGIN",
             "business INSERT",
             "complete+COMMIT",
@@ -330,6 +330,6 @@ class TestWithRedis:
         response, trace = subject.counted("evicted-1")
         assert response.status_code == 201
         assert response.headers["Idempotent-Replayed"] == "true"
-        assert kinds(trace) == ["GET", "claim (async commit)", "SET"]
+        assert kinds(trace) == ["GET", "claim", "SET"]
         _again, trace = subject.counted("evicted-1")
         assert kinds(trace) == ["GET"]
