@@ -123,6 +123,53 @@ class RequestState:
     own_error: bool = False
 
 
+class RouteDecorator:
+    """The decorator behind ``required`` and ``optional``, usable bare or with
+    per-route options. It needs no app: state is resolved when the view is called."""
+
+    def __init__(self, required: bool) -> None:
+        self._required = required
+
+    @overload
+    def __call__(self, view: View[P, R], /) -> View[P, R | Response]: ...
+
+    @overload
+    def __call__(
+        self,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        should_store: ShouldStore | None = None,
+        scope_func: ScopeFunc | None = None,
+        fingerprint_func: FingerprintFunc | None = None,
+    ) -> Callable[[View[P, R]], View[P, R | Response]]: ...
+
+    def __call__(
+        self,
+        view: Any = None,
+        *,
+        ttl: float | None = None,
+        lease: float | None = None,
+        wait: float | None = None,
+        should_store: ShouldStore | None = None,
+        scope_func: ScopeFunc | None = None,
+        fingerprint_func: FingerprintFunc | None = None,
+    ) -> Any:
+        options = RouteOptions(
+            self._required, ttl, lease, wait, should_store, scope_func, fingerprint_func
+        )
+
+        def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return _run_idempotent(options, fn, args, kwargs)
+
+            return wrapper
+
+        return decorator(view) if view is not None else decorator
+
+
 class Idempotency:
     """Idempotency-Key support for a Flask app, with PostgreSQL as the source of truth."""
 
@@ -164,75 +211,12 @@ class Idempotency:
 
     # -- decorators ---------------------------------------------------------
 
-    @overload
-    def required(self, view: View[P, R], /) -> View[P, R | Response]: ...
-
-    @overload
-    def required(
-        self,
-        *,
-        ttl: float | None = None,
-        lease: float | None = None,
-        wait: float | None = None,
-        should_store: ShouldStore | None = None,
-        scope_func: ScopeFunc | None = None,
-        fingerprint_func: FingerprintFunc | None = None,
-    ) -> Callable[[View[P, R]], View[P, R | Response]]: ...
-
-    def required(
-        self,
-        view: Any = None,
-        *,
-        ttl: float | None = None,
-        lease: float | None = None,
-        wait: float | None = None,
-        should_store: ShouldStore | None = None,
-        scope_func: ScopeFunc | None = None,
-        fingerprint_func: FingerprintFunc | None = None,
-    ) -> Any:
-        """Require an Idempotency-Key (400 ``missing_key`` without one)."""
-        options = RouteOptions(True, ttl, lease, wait, should_store, scope_func, fingerprint_func)
-        return self._decorate(view, options)
-
-    @overload
-    def optional(self, view: View[P, R], /) -> View[P, R | Response]: ...
-
-    @overload
-    def optional(
-        self,
-        *,
-        ttl: float | None = None,
-        lease: float | None = None,
-        wait: float | None = None,
-        should_store: ShouldStore | None = None,
-        scope_func: ScopeFunc | None = None,
-        fingerprint_func: FingerprintFunc | None = None,
-    ) -> Callable[[View[P, R]], View[P, R | Response]]: ...
-
-    def optional(
-        self,
-        view: Any = None,
-        *,
-        ttl: float | None = None,
-        lease: float | None = None,
-        wait: float | None = None,
-        should_store: ShouldStore | None = None,
-        scope_func: ScopeFunc | None = None,
-        fingerprint_func: FingerprintFunc | None = None,
-    ) -> Any:
-        """Deduplicate when the client sends a key; run normally when it does not."""
-        options = RouteOptions(False, ttl, lease, wait, should_store, scope_func, fingerprint_func)
-        return self._decorate(view, options)
-
-    def _decorate(self, view: Any, options: RouteOptions) -> Any:
-        def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(fn)
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                return _run_idempotent(options, fn, args, kwargs)
-
-            return wrapper
-
-        return decorator(view) if view is not None else decorator
+    #: ``@idempotency.required`` or ``@idempotency.required(ttl=...)``: require an
+    #: Idempotency-Key (400 ``missing_key`` without one).
+    required = RouteDecorator(required=True)
+    #: ``@idempotency.optional``: deduplicate when the client sends a key, run
+    #: normally when it does not.
+    optional = RouteDecorator(required=False)
 
     # -- what views and applications use -------------------------------------
 
@@ -395,15 +379,12 @@ def _after_request(response: Response) -> Response:
     ctx = _request_state()
     if ctx is None:
         return response
-    if ctx.replayed:
-        response.headers[responses.REPLAYED_HEADER] = "true"
-        return response
-    if ctx.token is None or ctx.settled or ctx.tx is None:
+    if ctx.replayed or ctx.token is None or ctx.settled or ctx.tx is None:
+        # A replay carries its header from responses.replay(); nothing to settle.
         return response
     ctx.settled = True
     state, tx, token = ctx.state, ctx.tx, ctx.token
     state.keeper.drop(ctx.record_key, token)
-    label = keys.log_key(ctx.record_key)
     try:
         stored = responses.capture(response)
         settlement = flow.settle(
@@ -419,7 +400,10 @@ def _after_request(response: Response) -> Response:
             response.headers[responses.REPLAYED_HEADER] = "false"
         return response
     if settlement is flow.Settlement.TOO_LARGE:
-        log.error("idempotency: response for key %s cannot be stored; rolled back", label)
+        log.error(
+            "idempotency: response for key %s cannot be stored; rolled back",
+            keys.log_key(ctx.record_key),
+        )
         state.metrics.inc("not_storable")
         tx.release(ctx.record_key, token)
         return _error_response(ResponseTooLarge())
@@ -428,10 +412,15 @@ def _after_request(response: Response) -> Response:
         tx.complete(ctx.record_key, token, stored)
     except LeaseLostError:
         state.metrics.inc("lease_lost")
-        log.warning("idempotency: lease lost for key %s; this attempt was rolled back", label)
+        log.warning(
+            "idempotency: lease lost for key %s; this attempt was rolled back",
+            keys.log_key(ctx.record_key),
+        )
         return _error_response(LeaseLost(retry_after=state.settings.retry_after))
     except StoreUnavailableError as exc:
-        log.error("idempotency: completion failed for key %s: %s", label, exc)
+        log.error(
+            "idempotency: completion failed for key %s: %s", keys.log_key(ctx.record_key), exc
+        )
         state.metrics.inc("store_unavailable")
         tx.release(ctx.record_key, token)
         return _error_response(StoreUnavailable(retry_after=state.settings.retry_after))
