@@ -17,7 +17,6 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from types import TracebackType
 
 from ._files import make_workdir, remove_tree
 from ._procs import (
@@ -31,6 +30,7 @@ from ._procs import (
     wait_until,
 )
 from .http_client import http_request
+from .lifecycle import StartsOnEnter
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
@@ -77,7 +77,7 @@ def child_pids(pid: int) -> list[int]:
     return sorted(children)
 
 
-class GunicornServer:
+class GunicornServer(StartsOnEnter):
     """``python -m gunicorn`` serving ``wsgi_app`` on 127.0.0.1:<free port>.
 
     ``wsgi_app`` is anything gunicorn accepts: ``"wsgi:app"`` or a factory
@@ -259,17 +259,6 @@ class GunicornServer:
         self.stop()
         at_exit.discard(self)
         remove_tree(self._root)
-
-    def __enter__(self) -> GunicornServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<GunicornServer {self.wsgi_app} at {self.url}>"

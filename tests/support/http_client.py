@@ -11,9 +11,10 @@ from __future__ import annotations
 import http.client
 import json as jsonlib
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
+
+from .lifecycle import ClosesOnExit
 
 
 class HttpResponse(NamedTuple):
@@ -85,7 +86,7 @@ def http_request(
         conn.close()
 
 
-class HttpSession:
+class HttpSession(ClosesOnExit):
     """Keep-alive requests to one server over a single connection.
 
     If the server closes the connection, the next request fails instead of
@@ -118,14 +119,3 @@ class HttpSession:
 
     def close(self) -> None:
         self._conn.close()
-
-    def __enter__(self) -> HttpSession:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -15,11 +15,11 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
-from types import TracebackType
 from typing import Literal
 
 from ._files import chown_tree, make_workdir, remove_tree, unprivileged_user, world_accessible
 from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process, wait_until
+from .lifecycle import StartsOnEnter
 from .postgres_install import find_bindir, server_env, template_cluster, usable_bindir
 
 # Settings for every throwaway server.  Only what a throwaway server needs to
@@ -36,7 +36,7 @@ BASE_SETTINGS = {
 StopMode = Literal["fast", "immediate"]
 
 
-class ThrowawayPostgres:
+class ThrowawayPostgres(StartsOnEnter):
     """A private PostgreSQL server on 127.0.0.1, trust auth, user ``postgres``.
 
     ``start()`` creates the cluster on first use; ``stop()`` and ``start()``
@@ -206,17 +206,6 @@ class ThrowawayPostgres:
         if self._root is not None:
             remove_tree(self._root)
             self._root = None
-
-    def __enter__(self) -> ThrowawayPostgres:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

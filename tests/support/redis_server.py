@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
-from types import TracebackType
 
 from ._files import make_workdir, remove_tree
 from ._procs import (
@@ -26,6 +25,7 @@ from ._procs import (
     stop_process,
     wait_until,
 )
+from .lifecycle import StartsOnEnter
 
 
 def find_redis_server() -> Path:
@@ -54,7 +54,7 @@ def redis_answers(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-class ThrowawayRedis:
+class ThrowawayRedis(StartsOnEnter):
     """A private ``redis-server`` on 127.0.0.1 with persistence off.
 
     ``stop()`` kills it outright (a crash; the data is gone), ``start()``
@@ -154,17 +154,6 @@ class ThrowawayRedis:
         if self._root is not None:
             remove_tree(self._root)
             self._root = None
-
-    def __enter__(self) -> ThrowawayRedis:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<ThrowawayRedis {self.url} {'running' if self.running else 'stopped'}>"

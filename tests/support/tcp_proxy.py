@@ -17,10 +17,10 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
 
 from ._procs import LOOPBACK
+from .lifecycle import ClosesOnExit
 
 DEFAULT_PORTS = {"postgres": 5432, "postgresql": 5432, "redis": 6379, "http": 80}
 
@@ -74,7 +74,7 @@ class _Link:
             on_closed(self)
 
 
-class TcpProxy:
+class TcpProxy(ClosesOnExit):
     """Listens on 127.0.0.1:<free port> and forwards to ``target``.
 
     Make one with ``TcpProxy(host, port)`` or ``TcpProxy.for_url(url)``;
@@ -218,17 +218,6 @@ class TcpProxy:
     def _forget(self, link: _Link) -> None:
         with self._lock:
             self._links.discard(link)
-
-    def __enter__(self) -> TcpProxy:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "cut" if self._cut else "open"
