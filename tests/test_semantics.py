@@ -276,8 +276,17 @@ def test_authentication_runs_first_and_401_is_never_stored(make_app: MakeApp) ->
     app = make_app()
     denied = post(app, {}, path="/authenticated", key="")  # an invalid key, but auth is first
     assert denied.status_code == 401
-    ok = post(app, {}, path="/authenticated", headers={"Authorization": "Bearer good"})
+    # With a valid key the 401 still comes before any claim (a claim released by the
+    # 401 would leave no row, so count the claims themselves).
+    denied = post(app, {}, path="/authenticated", key="k-auth")
+    assert denied.status_code == 401
+    metrics = app.extensions["idempotency"].metrics.snapshot()
+    assert metrics["executed"] == metrics["released"] == 0
+    ok = post(
+        app, {}, path="/authenticated", key="k-auth", headers={"Authorization": "Bearer good"}
+    )
     assert ok.status_code == 201
+    assert runs(app) == ["authenticated"]
 
 
 def test_postgres_unreachable_fails_closed(make_app: MakeApp) -> None:
