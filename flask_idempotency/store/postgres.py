@@ -91,7 +91,20 @@ _CLAIM_PARAMS = ("key", "fp", "token", "lease", "ttl")
 PREPARE_CLAIM = (
     "PREPARE idempotency_claim (bytea, bytea, bigint, float8, float8) AS" + CLAIM_BODY + ";\n"
 )
-EXECUTE_CLAIM = "EXECUTE idempotency_claim (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s)"
+#: A prepared statement's plan is cached for the connection's life. Left to
+#: itself PostgreSQL picks it from the table's size when it is first cached, and
+#: on an empty or tiny table (a fresh deployment, a table just purged) that is a
+#: sequential scan, which the connection would keep while the table grows. So
+#: the claim always gets one plan, built with sequential scans ruled out: the
+#: primary-key lookup at every size. ``SET LOCAL`` ends with the claim's own
+#: implicit transaction; the view's queries keep the session's settings.
+CLAIM_PLAN_SETTINGS = (
+    "SET LOCAL plan_cache_mode TO force_generic_plan;\nSET LOCAL enable_seqscan TO off;\n"
+)
+EXECUTE_CLAIM = (
+    CLAIM_PLAN_SETTINGS
+    + "EXECUTE idempotency_claim (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s)"
+)
 
 
 def _inline_parameters(sql: str) -> str:

@@ -1,0 +1,101 @@
+"""The store's cached plans stay index lookups however small the table was when cached.
+
+A pooled connection prepares the claim once, and PostgreSQL caches a *generic*
+plan for it after a few executions; plpgsql caches the completion's UPDATE the
+same way. When that happens while ``idempotency_records`` is empty or tiny (a
+fresh deployment, a table just purged, a benchmark's first seconds), the
+cheapest plan is a sequential scan, and the connection keeps it until
+something invalidates it: every later claim then reads the whole table. That
+showed as one benchmark subject paying twice the database CPU of an identical
+one started a few seconds later, and in production it would make each claim
+O(table) on the connections that were opened first.
+
+These tests cache the plans on an empty, freshly analysed table, grow the
+table, and count the sequential scans the next claim and completion make on
+that same connection.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import psycopg2
+import psycopg2.extras
+import pytest
+
+from flask_idempotency.store.base import Claimed, StoredResponse
+from flask_idempotency.store.pool import ConnectionPool
+from flask_idempotency.store.postgres import COMPLETE, PostgresStore
+
+#: Enough rows that a sequential scan is never the cheapest plan.
+GROWN_TO = 20_000
+#: More executions than PostgreSQL's five custom plans before it settles on one.
+WARM_EXECUTIONS = 10
+
+
+@pytest.fixture
+def store(clean_db: str) -> Iterator[PostgresStore]:
+    """A store with one pooled connection, so every claim reuses its cached plans."""
+    store = PostgresStore(ConnectionPool(clean_db, max_size=1), async_claim_commit=False)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _run(dsn: str, sql: str) -> None:
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True  # VACUUM refuses to run in a transaction block
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql)
+    finally:
+        conn.close()
+
+
+def _sequential_scans(cur: psycopg2.extensions.cursor) -> int:
+    """Sequential scans of the records table this backend has not yet reported
+    (the current transaction's, and possibly a few before it): compare two readings."""
+    cur.execute(
+        "SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'idempotency_records'"
+    )
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
+    store: PostgresStore, clean_db: str
+) -> None:
+    _run(clean_db, "VACUUM ANALYZE idempotency_records")  # the planner now knows it is empty
+    for _ in range(WARM_EXECUTIONS):
+        key = secrets.token_bytes(32)
+        request = store.begin()
+        try:
+            claimed = request.claim(key, b"fp", lease=30, ttl=3600)
+            assert isinstance(claimed, Claimed)
+            request.connection()  # BEGIN, as a view asking for the connection does
+            request.complete(key, claimed.token, StoredResponse(201, (), b"{}"))
+        finally:
+            request.close()
+    _run(
+        clean_db,
+        "INSERT INTO idempotency_records (record_key, fingerprint, state, expires_at)"
+        " SELECT sha256(i::text::bytea), 'fp', 'completed', now() + interval '1 hour'"
+        f" FROM generate_series(1, {GROWN_TO}) AS i",
+    )
+
+    key = secrets.token_bytes(32)
+    with store.pool.connection() as conn, conn.cursor() as cur:  # the same, only connection
+        cur.execute("BEGIN")
+        before = _sequential_scans(cur)
+        cur.execute(
+            store.claim_sql(conn),
+            {"key": key, "fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0},
+        )
+        assert cur.fetchone() is not None
+        assert _sequential_scans(cur) == before, "the claim scanned the whole table"
+        cur.execute(COMPLETE, (key, 7, 201, psycopg2.extras.Json([]), b"{}"))
+        assert _sequential_scans(cur) == before, "the completion scanned the whole table"
+        cur.execute("ROLLBACK")
