@@ -206,7 +206,7 @@ def prepare_database(dsn: str) -> None:
     Run once by the runner before any server starts, so that workers never
     migrate concurrently and no subject pays for it inside a measurement.
     """
-    _create_database_if_missing(dsn)
+    create_database_if_missing(dsn)
     conn = psycopg2.connect(dsn)
     try:
         with conn, conn.cursor() as cur:
@@ -236,7 +236,7 @@ def reset_database(dsn: str) -> None:
         conn.close()
 
 
-def _create_database_if_missing(dsn: str) -> None:
+def create_database_if_missing(dsn: str) -> None:
     params = psycopg2.extensions.parse_dsn(dsn)
     name = params.get("dbname")
     if not name:
