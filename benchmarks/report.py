@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-#: The subjects the issue's targets are about; ``pg-asynccommit`` is an
-#: experiment (what an asynchronous claim commit saves), not the default.
+#: The subjects the issue's targets are about; ``pg-synccommit`` is an
+#: experiment (what the default asynchronous claim commit saves), not the default.
 TARGETED_SUBJECTS = ("pg", "pg+redis")
 
 

@@ -156,7 +156,8 @@ def _statement_kind(sql: str) -> str:
     # The claim as one statement, or as a prepared statement's EXECUTE (with its
     # PREPARE in front on a connection's first use - still one round trip).
     if "INSERT INTO idempotency_records" in flat or "EXECUTE idempotency_claim" in flat:
-        return "claim (async commit)" if "synchronous_commit TO off" in flat else "claim"
+        # Asynchronous claim commit is the default; a durable one is named.
+        return "claim" if "synchronous_commit TO off" in flat else "claim (durable commit)"
     if "idempotency_complete" in flat:
         return "complete+COMMIT" if flat.rstrip().endswith("COMMIT") else "complete"
     if "INSERT INTO bench_charges" in flat:
@@ -248,11 +249,16 @@ def test_first_request_is_one_claim_and_a_completion_inside_the_business_commit(
     assert not any(s.strip().upper() == "COMMIT" for s in pg(trace)), "a separate COMMIT"
 
 
-def test_asynchronous_claim_commit_is_still_one_statement(make_subject: MakeSubject) -> None:
-    subject = make_subject("pg-asynccommit")
-    response, trace = subject.counted("first-async")
+def test_durable_claim_commit_is_still_one_statement(make_subject: MakeSubject) -> None:
+    subject = make_subject("pg-synccommit")
+    response, trace = subject.counted("first-sync")
     assert response.status_code == 201
-    assert kinds(trace) == ["claim (async commit)", "BEGIN", "business INSERT", "complete+COMMIT"]
+    assert kinds(trace) == [
+        "claim (durable commit)",
+        "BEGIN",
+        "business INSERT",
+        "complete+COMMIT",
+    ]
 
 
 def test_postgres_replay_is_the_claim_statement_alone(make_subject: MakeSubject) -> None:
