@@ -174,15 +174,16 @@ def redis_cache(app: Flask, clock: FakeClock | None = None) -> RedisCache:
 
 
 def redis_commands(monkeypatch: pytest.MonkeyPatch, cache: RedisCache) -> list[str]:
-    """Names of the commands the cache's client sends from now on."""
+    """Names of the commands the cache sends from now on, on whichever path it
+    uses (its own per-thread connections, or an application's client)."""
     sent: list[str] = []
-    original = cache.client.execute_command
+    original = cache._execute
 
-    def counting(*args: Any, **options: Any) -> Any:
+    def counting(*args: Any) -> Any:
         sent.append(str(args[0]))
-        return original(*args, **options)
+        return original(*args)
 
-    monkeypatch.setattr(cache.client, "execute_command", counting)
+    monkeypatch.setattr(cache, "_execute", counting)
     return sent
 
 

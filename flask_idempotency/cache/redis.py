@@ -41,6 +41,7 @@ from ..store.base import StoredResponse
 from . import codec
 from .base import CachedRecord
 from .breaker import BreakerState, CircuitBreaker, Transition
+from .wire import ThreadConnections
 
 log = logging.getLogger("flask_idempotency")
 
@@ -61,10 +62,11 @@ _SOCKET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutErro
 class RedisCache:
     """A :class:`~flask_idempotency.cache.base.ResponseCache` over one Redis client.
 
-    Thread-safe (redis-py's pool is, and so is the breaker) and fork-safe:
-    redis-py's ``ConnectionPool`` compares its PID on every checkout and starts
-    afresh in a forked child, so a gunicorn worker never shares its master's
-    socket. No connection is opened until the first call.
+    Thread-safe and fork-safe: a client built from a URL sends on one
+    connection per thread, tagged with its PID (``wire``); an application's
+    client goes through redis-py's pool, which compares its PID on every
+    checkout. Either way a gunicorn worker never shares its master's socket,
+    and no connection is opened until the first call.
     """
 
     def __init__(
@@ -79,6 +81,12 @@ class RedisCache:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
+        # Our own client sends on one connection per thread (see ``wire``); an
+        # application's goes through its public API, instrumentation and all.
+        self._wire = ThreadConnections(client.connection_pool) if owns_client else None
+        self._execute: Callable[..., Any] = (
+            self._wire.execute if self._wire is not None else client.execute_command
+        )
         self.prefix = prefix
         self.compress_over = compress_over
         self.max_body = max_body
@@ -126,7 +134,7 @@ class RedisCache:
 
     def get(self, record_key: bytes) -> CachedRecord | None:
         key = self.key(record_key)
-        value = self._call("GET", record_key, lambda: self.client.get(key))
+        value = self._call("GET", record_key, lambda: self._execute("GET", key))
         if value is None:
             return None
         try:
@@ -157,7 +165,7 @@ class RedisCache:
             )
             return
         key = self.key(record_key)
-        self._call("SET", record_key, lambda: self.client.set(key, value, px=px))
+        self._call("SET", record_key, lambda: self._execute("SET", key, value, "PX", px))
 
     def evict(self, record_keys: Sequence[bytes]) -> None:
         """One ``DEL`` of every key. On Redis Cluster keys of different records
@@ -168,12 +176,14 @@ class RedisCache:
         if not record_keys:
             return
         keys = [self.key(k) for k in record_keys]
-        self._call("DEL", record_keys[0], lambda: self.client.delete(*keys))
+        self._call("DEL", record_keys[0], lambda: self._execute("DEL", *keys))
 
     def close(self) -> None:
         """Close the client if we built it; an application's own client stays its own."""
         if self._owns_client:
             try:
+                if self._wire is not None:
+                    self._wire.close()
                 self.client.close()
             except Exception as exc:  # closing a dead connection must not fail shutdown
                 log.debug("idempotency: closing the redis client failed: %s", exc)
@@ -212,6 +222,8 @@ class RedisCache:
         return result
 
     def _drop_idle_connections(self) -> None:
+        if self._wire is not None:
+            self._wire.reset()
         try:
             self.client.connection_pool.disconnect(inuse_connections=False)
         except Exception as exc:
