@@ -267,10 +267,11 @@ def precomplete(url: str, keys: Sequence[str]) -> None:
 
 
 def cells(paths: Sequence[str], saturation: int) -> list[tuple[str, int]]:
-    """(path, connections) pairs. The hot key only makes sense with many clients."""
+    """(path, connections) pairs. The hot key only makes sense with many clients,
+    and the no-op route is there for the throughput ceiling."""
     found: list[tuple[str, int]] = []
     for path in paths:
-        if path != "hot":
+        if path not in ("hot", "noop"):
             found.append((path, 1))
         found.append((path, saturation))
     return found

@@ -16,6 +16,8 @@ Three kinds of load, each a key pattern:
 ``replay`` keys cycled from a file of keys completed beforehand (stored responses);
 ``hot``    one key shared by every connection, changing each wall-clock second:
            one request executes, its concurrent duplicates get 409s, the rest replays.
+``noop``   ``GET /healthz``: no idempotency, no database, on the same servers. It is
+           the framework's own cost, so the ceiling of any ratio to ``bare``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .app import CHARGES_PATH, REQUEST_BODY
+from .app import CHARGES_PATH, HEALTH_PATH, REQUEST_BODY
 
-PATHS: tuple[str, ...] = ("first", "replay", "hot")
+PATHS: tuple[str, ...] = ("first", "replay", "hot", "noop")
 TOOLS: tuple[str, ...] = ("auto", "wrk", "python")
 
 #: A request slower than this counts as an error rather than a latency: a cell
@@ -85,7 +87,13 @@ function init(args)
   end
 end
 
+local noop_request = nil
+
 function request()
+  if kind == "noop" then
+    noop_request = noop_request or wrk.format("GET", HEALTH)
+    return noop_request
+  end
   local key
   if kind == "first" then
     counter = counter + 1
@@ -184,8 +192,10 @@ def run_load(spec: LoadSpec, tool: str) -> LoadResult:
 
 
 def _run_wrk(spec: LoadSpec) -> LoadResult:
-    script = WRK_SCRIPT.replace("BODY", _lua_string(REQUEST_BODY.decode())).replace(
-        "PATH", _lua_string(CHARGES_PATH)
+    script = (
+        WRK_SCRIPT.replace("BODY", _lua_string(REQUEST_BODY.decode()))
+        .replace("PATH", _lua_string(CHARGES_PATH))
+        .replace("HEALTH", _lua_string(HEALTH_PATH))
     )
     script = script.replace("MARK", _RESULT_MARK)
     with tempfile.TemporaryDirectory(prefix="bench-wrk-") as tmp:
@@ -307,9 +317,12 @@ def _keys_for(spec: LoadSpec, worker: int) -> Any:
         while True:
             position = (position + 1) % len(keys)
             yield keys[position]
-    else:
+    elif spec.path == "hot":
         while True:
             yield f"{spec.key_prefix}-{int(time.time())}"
+    else:  # noop sends no key
+        while True:
+            yield ""
 
 
 def _connection_loop(
@@ -335,7 +348,10 @@ def _connection_loop(
         headers["Idempotency-Key"] = next(keys)
         began = clock()
         try:
-            conn.request("POST", CHARGES_PATH, REQUEST_BODY, headers)
+            if spec.path == "noop":
+                conn.request("GET", HEALTH_PATH)
+            else:
+                conn.request("POST", CHARGES_PATH, REQUEST_BODY, headers)
             response = conn.getresponse()
             response.read()
         except (OSError, http.client.HTTPException):
