@@ -99,3 +99,25 @@ def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
         cur.execute(COMPLETE, (key, 7, 201, psycopg2.extras.Json([]), b"{}"))
         assert _sequential_scans(cur) == before, "the completion scanned the whole table"
         cur.execute("ROLLBACK")
+
+
+def test_the_claims_settings_do_not_reach_the_views_transaction(clean_db: str) -> None:
+    """The plan settings and the asynchronous commit are ``SET LOCAL`` in the claim's
+    own implicit transaction: the view's queries, on the same connection right
+    after, run as the session says, and its COMMIT is durable."""
+    store = PostgresStore(ConnectionPool(clean_db, max_size=1), async_claim_commit=True)
+    store.migrate()
+    request = store.begin()
+    try:
+        claimed = request.claim(secrets.token_bytes(32), b"fp", lease=30, ttl=3600)
+        assert isinstance(claimed, Claimed)
+        conn = request.connection()  # BEGIN: the business transaction
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT current_setting('enable_seqscan'), current_setting('plan_cache_mode'),"
+                " current_setting('synchronous_commit')"
+            )
+            assert cur.fetchone() == ("on", "auto", "on")
+    finally:
+        request.close()
+        store.close()
