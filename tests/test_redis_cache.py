@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import threading
-import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +36,7 @@ from flask_idempotency.cache.breaker import BreakerState, CircuitBreaker, Transi
 from flask_idempotency.cache.redis import RedisCache
 from flask_idempotency.keys import default_scope_from_header, record_key
 from flask_idempotency.store.base import StoredResponse
+from support.forking import in_forked_child
 from support.servers import ProxyFactory, ThrowawayRedis
 
 # -- counting PostgreSQL ------------------------------------------------------
@@ -673,20 +672,13 @@ def test_a_forked_child_opens_its_own_connection(clean_redis: str) -> None:
     cache.put(key, b"f" * 32, StoredResponse(200, (), b"parent"), 60)
     parent_id = cache.client.client_id()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit code
-        code = 3
-        try:
-            child_id = cache.client.client_id()
-            hits = [cache.get(key) for _ in range(20)]
-            ok = all(h is not None and h.response.body == b"parent" for h in hits)
-            code = 0 if ok and child_id != parent_id else 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    def child() -> bool:
+        child_id = cache.client.client_id()
+        hits = [cache.get(key) for _ in range(20)]
+        ok = all(h is not None and h.response.body == b"parent" for h in hits)
+        return ok and child_id != parent_id
+
+    assert in_forked_child(child)
     assert cache.client.client_id() == parent_id  # the parent's socket was left alone
     hit = cache.get(key)
     assert hit is not None and hit.response.body == b"parent"

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import threading
-import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +15,7 @@ from hypothesis import strategies as st
 
 from flask_idempotency.cache.redis import client_from_url
 from flask_idempotency.cache.wire import ThreadConnections, pack
+from support.forking import in_forked_child
 from support.servers import ThrowawayRedis
 
 argument = st.one_of(
@@ -116,16 +115,11 @@ def test_a_restarted_redis_is_reached_again_after_reset() -> None:
 
 def test_a_forked_child_never_touches_its_parents_socket(connections: ThreadConnections) -> None:
     parent_id = _client_id(connections)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
-        pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit code
-        code = 3
-        try:
-            code = 0 if _client_id(connections) != parent_id else 1
-            connections.close()  # must not shut down the parent's socket
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child() -> bool:
+        own = _client_id(connections) != parent_id
+        connections.close()  # must not shut down the parent's socket
+        return own
+
+    assert in_forked_child(child)
     assert _client_id(connections) == parent_id
