@@ -257,8 +257,9 @@ def render_markdown(
         "ratios of req/s to `bare` in the same cell (min-max over rounds in brackets); "
         "`+p50`/`+p99` are the medians of per-round differences to `bare`, in ms. "
         "`CPU us/req` is CPU time per request in the app's gunicorn workers / its "
-        "PostgreSQL backends / Redis (from /proc, so other load on the machine barely "
-        "moves it), and `+CPU` the per-round difference of their sum to `bare`. "
+        "PostgreSQL backends / Redis (from /proc; it rises when the shared machine slows, "
+        "so compare within a round), and `+CPU` the per-round difference of their sum "
+        "to `bare`. "
         "`noop` is `GET /healthz` on the same servers (no idempotency, no database): "
         "every subject runs identical code there, so its spread is the harness's own "
         "error bar, and bare's noop throughput is the ceiling of any ratio.",
