@@ -376,13 +376,16 @@ def test_list_is_newest_first_with_ties_in_creation_order(
     post_charge(client, key="other-customer", customer="cus_2")
     post_charge(client, key="other-api-key", token=OTHER_TOKEN)
     # Seed the clock: ids[0] oldest, ids[1] a minute later, ids[2] and ids[3] tied.
-    for charge_id, seconds_ago in zip(ids, (120, 60, 5, 5), strict=True):
-        execute(
-            clean_db,
-            "UPDATE charges SET created_at = date_trunc('second', now())"
-            " - make_interval(secs => %s) WHERE id = %s",
-            (seconds_ago, charge_id),
-        )
+    # One statement, so one now(): separate ones could straddle a second boundary
+    # and untie the tie.
+    execute(
+        clean_db,
+        "UPDATE charges AS c SET created_at = date_trunc('second', now())"
+        " - make_interval(secs => v.seconds_ago)"
+        " FROM (VALUES (%s, 120), (%s, 60), (%s, 5), (%s, 5)) AS v(id, seconds_ago)"
+        " WHERE c.id = v.id",
+        tuple(ids),
+    )
     response = client.get("/v1/charges?customer=cus_1", headers=headers(None))
     assert response.status_code == 200
     data = response.get_json()["data"]
