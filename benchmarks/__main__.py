@@ -220,8 +220,8 @@ def redis_cache_available() -> bool:
 
 def check_services(dsn: str, redis_url: str | None) -> None:
     try:
-        bench_app.create_database_if_missing(dsn)  # a fresh machine has no bench database
-        psycopg2.connect(dsn, connect_timeout=3).close()
+        # Probes the server, and creates the bench database on a fresh machine.
+        bench_app.create_database_if_missing(dsn, connect_timeout=3)
     except psycopg2.Error as exc:
         raise SystemExit(f"PostgreSQL at {dsn} is not usable: {exc}".strip()) from exc
     if redis_url is not None:

@@ -237,18 +237,20 @@ def reset_database(dsn: str) -> None:
         conn.close()
 
 
-def create_database_if_missing(dsn: str) -> None:
+def create_database_if_missing(dsn: str, connect_timeout: int = 10) -> None:
+    """Connect once (which doubles as the runner's probe of the server), and
+    create the database when the server says it does not exist."""
     params = psycopg2.extensions.parse_dsn(dsn)
     name = params.get("dbname")
-    if not name:
-        return
     try:
-        psycopg2.connect(dsn).close()
+        psycopg2.connect(dsn, connect_timeout=connect_timeout).close()
         return
     except psycopg2.OperationalError as exc:
-        if "does not exist" not in str(exc):
+        if not name or "does not exist" not in str(exc):
             raise
-    admin = psycopg2.connect(**{**params, "dbname": "postgres"})
+    admin = psycopg2.connect(
+        **{**params, "dbname": "postgres", "connect_timeout": str(connect_timeout)}
+    )
     try:
         admin.autocommit = True
         with admin.cursor() as cur:
