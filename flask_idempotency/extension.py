@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
 import psycopg2
-from flask import Flask, Response, current_app, g, request
+from flask import Flask, Request, Response, current_app, g, request
 from flask.typing import ResponseReturnValue
 from typing_extensions import ParamSpec
 
@@ -264,9 +264,11 @@ class Idempotency:
         return _app_state()
 
 
-def _app_state() -> IdempotencyState:
+def _app_state(app: Flask | None = None) -> IdempotencyState:
+    """The extension's state on ``app`` (the current app when not given)."""
+    extensions = (app if app is not None else current_app).extensions
     try:
-        state: IdempotencyState = current_app.extensions[EXTENSION_KEY]
+        state: IdempotencyState = extensions[EXTENSION_KEY]
     except KeyError:
         raise RuntimeError("flask_idempotency is not initialised on this app") from None
     return state
@@ -278,19 +280,23 @@ def _request_state() -> RequestState | None:
 
 
 def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    state = _app_state()
+    # Resolved once: every attribute read through Flask's proxies costs a context
+    # lookup, and the hot path reads the request about twenty times.
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    req: Request = request._get_current_object()  # type: ignore[attr-defined]
+    state = _app_state(app)
     settings = state.settings
-    key = keys.parse_key(request.headers.get(settings.key_header))
+    key = keys.parse_key(req.headers.get(settings.key_header))
     if key is None:
         if options.required:
             keys.require_key(None)
-        return current_app.ensure_sync(view)(*args, **kwargs)
+        return app.ensure_sync(view)(*args, **kwargs)
 
     scope_func = options.scope_func or settings.scope_func
     fingerprint_func = options.fingerprint_func or settings.fingerprint_func
-    record_key = keys.record_key(scope_func(request), key)
-    read_body(request)
-    fingerprint = fingerprint_func(request)
+    record_key = keys.record_key(scope_func(req), key)
+    read_body(req)
+    fingerprint = fingerprint_func(req)
     ctx = RequestState(
         state=state,
         record_key=record_key,
@@ -331,7 +337,7 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
         state.metrics.inc("executed")
         state.keeper.hold(LeaseHold(record_key, decision.token, lease))
         try:
-            return current_app.ensure_sync(view)(*args, **kwargs)
+            return app.ensure_sync(view)(*args, **kwargs)
         except IdempotencyError:
             ctx.own_error = True
             raise

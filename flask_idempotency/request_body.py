@@ -36,7 +36,8 @@ def read_body(request: Request) -> bytes:
         # error, so the view would act on part of a request.
         log.info("idempotency: request body shorter than its Content-Length")
         raise MalformedBody()
-    limit = request.max_content_length
-    if limit is not None and declared is None and len(data) >= limit:
-        raise RequestEntityTooLarge()
+    if declared is None:  # chunked: Werkzeug cut it at the limit without saying so
+        limit = request.max_content_length
+        if limit is not None and len(data) >= limit:
+            raise RequestEntityTooLarge()
     return data
