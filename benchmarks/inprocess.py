@@ -1,0 +1,121 @@
+"""``python -m benchmarks.inprocess``: one subject's requests called in-process.
+
+No gunicorn, no load generator, no sockets but the databases': the WSGI app is
+called directly with the same body the benchmark sends, so the figure is what
+Flask plus the extension cost per request, without the server's ~300 us floor
+that compresses every ratio in the full run. Use it to see whether a change to
+the hot path helps before spending ten minutes on ``make bench``.
+
+CPU time per request still drifts on a shared machine. For a deterministic
+figure, count instructions under callgrind at two request counts and divide
+the difference (start-up and warm-up cancel out)::
+
+    valgrind --tool=callgrind python -m benchmarks.inprocess pg+redis replay -n 100
+    valgrind --tool=callgrind python -m benchmarks.inprocess pg+redis replay -n 300
+    # (collected_300 - collected_100) / 200 = instructions per request
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask
+
+from . import app as bench_app
+from .app import CHARGES_PATH, HEALTH_PATH, REQUEST_BODY, SUBJECTS
+
+PATHS = ("first", "replay", "noop")
+
+
+def make_environ(key: str | None, method: str = "POST", path: str = CHARGES_PATH) -> dict[str, Any]:
+    """A WSGI environ like gunicorn's for the benchmark's request."""
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": method,
+        "PATH_INFO": path,
+        "QUERY_STRING": "",
+        "SERVER_NAME": "127.0.0.1",
+        "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "wsgi.url_scheme": "http",
+        "wsgi.input": io.BytesIO(REQUEST_BODY if method == "POST" else b""),
+        "wsgi.errors": sys.stderr,
+        "wsgi.input_terminated": True,
+    }
+    if method == "POST":
+        environ["CONTENT_TYPE"] = "application/json"
+        environ["CONTENT_LENGTH"] = str(len(REQUEST_BODY))
+    if key is not None:
+        environ["HTTP_IDEMPOTENCY_KEY"] = key
+    return environ
+
+
+def caller(wsgi: Flask) -> Callable[[dict[str, Any]], str]:
+    """A function that runs one request through ``wsgi`` and returns its status."""
+
+    def call(environ: dict[str, Any]) -> str:
+        statuses: list[str] = []
+
+        def start_response(status: str, headers: Any, exc_info: Any = None) -> Any:
+            statuses.append(status)
+            return None
+
+        for _chunk in wsgi(environ, start_response):
+            pass
+        return statuses[0]
+
+    return call
+
+
+def environs(path: str, n: int, replay_key: str) -> list[dict[str, Any]]:
+    if path == "noop":
+        return [make_environ(None, "GET", HEALTH_PATH) for _ in range(n)]
+    if path == "replay":
+        return [make_environ(replay_key) for _ in range(n)]
+    return [make_environ(f"inproc-{secrets.token_hex(8)}") for _ in range(n)]
+
+
+def measure(subject: str, path: str, n: int, warmup: int) -> tuple[float, float]:
+    """CPU and wall microseconds per request, after ``warmup`` discarded requests."""
+    bench_app.prepare_database(bench_app.database_url())
+    wsgi = bench_app.create_app(subject)
+    call = caller(wsgi)
+    try:
+        replay_key = f"inproc-replay-{secrets.token_hex(8)}"
+        first = call(make_environ(replay_key))
+        if not first.startswith("201"):
+            raise RuntimeError(f"{subject}: the first request answered {first}")
+        for environ in environs(path, warmup, replay_key):
+            call(environ)
+        batch = environs(path, n, replay_key)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        statuses = [call(environ) for environ in batch]
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+    finally:
+        state = wsgi.extensions.get("idempotency")
+        if state is not None:
+            state.close()
+    wrong = [s for s in statuses if not s.startswith("20")]
+    if wrong:
+        raise RuntimeError(f"{subject} {path}: {len(wrong)} answers were not 2xx, e.g. {wrong[0]}")
+    return (cpu1 - cpu0) / n * 1e6, (wall1 - wall0) / n * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.inprocess", description=__doc__)
+    parser.add_argument("subject", choices=SUBJECTS)
+    parser.add_argument("path", choices=PATHS)
+    parser.add_argument("-n", type=int, default=2000, help="measured requests")
+    parser.add_argument("--warmup", type=int, default=50)
+    args = parser.parse_args(argv)
+    cpu, wall = measure(args.subject, args.path, args.n, args.warmup)
+    print(f"{args.subject} {args.path}: {cpu:.0f} us CPU, {wall:.0f} us wall per request")
+
+
+if __name__ == "__main__":
+    main()

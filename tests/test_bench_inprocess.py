@@ -1,0 +1,34 @@
+"""The in-process probe of the benchmark app answers every request it times."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import inprocess  # noqa: E402
+from benchmarks.app import REQUEST_BODY  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    ("subject", "path"),
+    [("bare", "first"), ("pg", "first"), ("pg", "replay"), ("pg+redis", "replay"), ("pg", "noop")],
+)
+def test_measure_times_real_requests(
+    subject: str, path: str, clean_db: str, clean_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BENCH_DATABASE_URL", clean_db)
+    monkeypatch.setenv("BENCH_REDIS_URL", clean_redis)
+    cpu, wall = inprocess.measure(subject, path, n=5, warmup=1)
+    assert cpu > 0 and wall > 0
+
+
+def test_replay_environ_carries_the_key_and_body() -> None:
+    environ = inprocess.make_environ("k-1")
+    assert environ["HTTP_IDEMPOTENCY_KEY"] == "k-1"
+    assert environ["wsgi.input"].read() == REQUEST_BODY
+    assert "HTTP_IDEMPOTENCY_KEY" not in inprocess.make_environ(None, "GET", "/healthz")
