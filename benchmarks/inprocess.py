@@ -18,14 +18,18 @@ the difference (start-up and warm-up cancel out)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import secrets
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from flask import Flask
+
+from flask_idempotency.responses import REPLAYED_HEADER
 
 from . import app as bench_app
 from .app import CHARGES_PATH, HEALTH_PATH, REQUEST_BODY, SUBJECTS
@@ -33,41 +37,64 @@ from .app import CHARGES_PATH, HEALTH_PATH, REQUEST_BODY, SUBJECTS
 PATHS = ("first", "replay", "noop")
 
 
+#: What one request answered: its status line and its ``Idempotent-Replayed``
+#: header (``None`` without the extension or on the no-op route).
+Answer = tuple[str, str | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    cpu_us: float
+    wall_us: float
+    answers: Counter[Answer]
+
+
 def make_environ(key: str | None, method: str = "POST", path: str = CHARGES_PATH) -> dict[str, Any]:
-    """A WSGI environ like gunicorn's for the benchmark's request."""
+    """The benchmark's request as a WSGI environ like gunicorn's, with its own body
+    stream. Built by hand rather than with Werkzeug's ``EnvironBuilder``, which
+    costs about a third of a replay: the callgrind recipe counts every
+    instruction that grows with the request count, environ building included."""
+    body = REQUEST_BODY if method == "POST" else b""
     environ: dict[str, Any] = {
         "REQUEST_METHOD": method,
+        "SCRIPT_NAME": "",
         "PATH_INFO": path,
         "QUERY_STRING": "",
         "SERVER_NAME": "127.0.0.1",
         "SERVER_PORT": "80",
         "SERVER_PROTOCOL": "HTTP/1.1",
+        "HTTP_HOST": "127.0.0.1",
+        "wsgi.version": (1, 0),
         "wsgi.url_scheme": "http",
-        "wsgi.input": io.BytesIO(REQUEST_BODY if method == "POST" else b""),
+        "wsgi.input": io.BytesIO(body),
         "wsgi.errors": sys.stderr,
+        "wsgi.multithread": True,
+        "wsgi.multiprocess": True,
+        "wsgi.run_once": False,
         "wsgi.input_terminated": True,
     }
     if method == "POST":
         environ["CONTENT_TYPE"] = "application/json"
-        environ["CONTENT_LENGTH"] = str(len(REQUEST_BODY))
+        environ["CONTENT_LENGTH"] = str(len(body))
     if key is not None:
         environ["HTTP_IDEMPOTENCY_KEY"] = key
     return environ
 
 
-def caller(wsgi: Flask) -> Callable[[dict[str, Any]], str]:
-    """A function that runs one request through ``wsgi`` and returns its status."""
+def caller(wsgi: Flask) -> Callable[[dict[str, Any]], Answer]:
+    """A function that runs one request through ``wsgi``, reads the whole body
+    (as a server would), and returns what it answered."""
 
-    def call(environ: dict[str, Any]) -> str:
-        statuses: list[str] = []
+    def call(environ: dict[str, Any]) -> Answer:
+        answer: list[Answer] = []
 
         def start_response(status: str, headers: Any, exc_info: Any = None) -> Any:
-            statuses.append(status)
+            answer.append((status, dict(headers).get(REPLAYED_HEADER)))
             return None
 
         for _chunk in wsgi(environ, start_response):
             pass
-        return statuses[0]
+        return answer[0]
 
     return call
 
@@ -80,30 +107,28 @@ def environs(path: str, n: int, replay_key: str) -> list[dict[str, Any]]:
     return [make_environ(f"inproc-{secrets.token_hex(8)}") for _ in range(n)]
 
 
-def measure(subject: str, path: str, n: int, warmup: int) -> tuple[float, float]:
-    """CPU and wall microseconds per request, after ``warmup`` discarded requests."""
+def measure(subject: str, path: str, n: int, warmup: int) -> Probe:
+    """CPU and wall microseconds per request, after ``warmup`` discarded requests,
+    and what the measured requests answered."""
     bench_app.prepare_database(bench_app.database_url())
     wsgi = bench_app.create_app(subject)
     call = caller(wsgi)
     try:
         replay_key = f"inproc-replay-{secrets.token_hex(8)}"
-        first = call(make_environ(replay_key))
-        if not first.startswith("201"):
-            raise RuntimeError(f"{subject}: the first request answered {first}")
+        status, _ = call(make_environ(replay_key))
+        if not status.startswith("201"):
+            raise RuntimeError(f"{subject}: the first request answered {status}")
         for environ in environs(path, warmup, replay_key):
             call(environ)
         batch = environs(path, n, replay_key)
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        statuses = [call(environ) for environ in batch]
+        answers = Counter(call(environ) for environ in batch)
         cpu1, wall1 = time.process_time(), time.perf_counter()
     finally:
         state = wsgi.extensions.get("idempotency")
         if state is not None:
             state.close()
-    wrong = [s for s in statuses if not s.startswith("20")]
-    if wrong:
-        raise RuntimeError(f"{subject} {path}: {len(wrong)} answers were not 2xx, e.g. {wrong[0]}")
-    return (cpu1 - cpu0) / n * 1e6, (wall1 - wall0) / n * 1e6
+    return Probe((cpu1 - cpu0) / n * 1e6, (wall1 - wall0) / n * 1e6, answers)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,8 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-n", type=int, default=2000, help="measured requests")
     parser.add_argument("--warmup", type=int, default=50)
     args = parser.parse_args(argv)
-    cpu, wall = measure(args.subject, args.path, args.n, args.warmup)
-    print(f"{args.subject} {args.path}: {cpu:.0f} us CPU, {wall:.0f} us wall per request")
+    probe = measure(args.subject, args.path, args.n, args.warmup)
+    answers = ", ".join(
+        f"{status} (replayed: {replayed}) x{count}"
+        for (status, replayed), count in probe.answers.items()
+    )
+    print(
+        f"{args.subject} {args.path}: {probe.cpu_us:.0f} us CPU, "
+        f"{probe.wall_us:.0f} us wall per request; answers: {answers}"
+    )
 
 
 if __name__ == "__main__":

@@ -15,19 +15,31 @@ from benchmarks.app import REQUEST_BODY  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    ("subject", "path"),
-    [("bare", "first"), ("pg", "first"), ("pg", "replay"), ("pg+redis", "replay"), ("pg", "noop")],
+    ("subject", "path", "answer"),
+    [
+        ("bare", "first", ("201 CREATED", None)),
+        ("pg", "first", ("201 CREATED", "false")),
+        ("pg", "replay", ("201 CREATED", "true")),
+        ("pg+redis", "replay", ("201 CREATED", "true")),
+        ("pg", "noop", ("200 OK", None)),
+    ],
 )
-def test_measure_times_real_requests(
-    subject: str, path: str, clean_db: str, clean_redis: str, monkeypatch: pytest.MonkeyPatch
+def test_measure_times_the_path_it_names(
+    subject: str,
+    path: str,
+    answer: inprocess.Answer,
+    clean_db: str,
+    clean_redis: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("BENCH_DATABASE_URL", clean_db)
     monkeypatch.setenv("BENCH_REDIS_URL", clean_redis)
-    cpu, wall = inprocess.measure(subject, path, n=5, warmup=1)
-    assert cpu > 0 and wall > 0
+    probe = inprocess.measure(subject, path, n=5, warmup=1)
+    assert probe.answers == {answer: 5}
+    assert probe.cpu_us > 0 and probe.wall_us > 0
 
 
-def test_replay_environ_carries_the_key_and_body() -> None:
+def test_environ_carries_the_key_and_the_body() -> None:
     environ = inprocess.make_environ("k-1")
     assert environ["HTTP_IDEMPOTENCY_KEY"] == "k-1"
     assert environ["wsgi.input"].read() == REQUEST_BODY
