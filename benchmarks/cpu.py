@@ -9,8 +9,10 @@ the sum of these figures (plus the load generator's), which makes them the
 clearest account of where a subject's extra cost goes.
 
 PostgreSQL backends are attributed by ``application_name`` (each subject
-labels its sessions, see ``benchmarks.app.application_name``). Linux only; on
-other systems every figure is ``None``.
+labels its sessions, see ``benchmarks.app.application_name``), or, when two
+servers run the same subject (``benchmarks.ab``), by which process holds the
+client end of each backend's socket. Linux only; on other systems every
+figure is ``None``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,41 @@ def _tree(root: int) -> list[int]:
     return pids
 
 
+def _socket_inodes(pids: list[int]) -> set[int]:
+    """Inodes of the sockets the processes hold open."""
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            fds = list((_PROC / str(pid) / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def client_ports(pids: list[int]) -> set[int]:
+    """Local TCP ports of the sockets the processes hold: a PostgreSQL backend
+    serves one of them when its ``client_port`` is among these."""
+    inodes = _socket_inodes(pids)
+    ports: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (_PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and int(fields[9]) in inodes:
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 class CpuMeter:
     """Samples the CPU of one subject's gunicorn, its PostgreSQL backends and Redis."""
 
@@ -87,21 +124,37 @@ class CpuMeter:
             )
             return [int(row[0]) for row in cur.fetchall()]
 
-    def start(self, gunicorn_pid: int, application_name: str) -> dict[str, dict[int, float]]:
+    def _backends_of(self, pids: list[int]) -> list[int]:
+        """Backends whose client socket one of ``pids`` holds."""
+        ports = client_ports(pids)
+        with self._monitor.cursor() as cur:
+            cur.execute("SELECT pid, client_port FROM pg_stat_activity WHERE client_port > 0")
+            return [int(pid) for pid, port in cur.fetchall() if port in ports]
+
+    def start(self, gunicorn_pid: int, application_name: str | None) -> dict[str, dict[int, float]]:
         """Per-process CPU now, by group and pid: a backend that appears mid-cell
-        is then counted from zero, and one that has gone is not subtracted."""
+        is then counted from zero, and one that has gone is not subtracted.
+        Without ``application_name`` the backends are found by socket."""
         return self._read(gunicorn_pid, application_name)
 
-    def _read(self, gunicorn_pid: int, application_name: str) -> dict[str, dict[int, float]]:
+    def _read(self, gunicorn_pid: int, application_name: str | None) -> dict[str, dict[int, float]]:
+        app = _tree(gunicorn_pid)
         groups = {
-            "app": _tree(gunicorn_pid),
-            "postgres": self._backends(application_name),
+            "app": app,
+            "postgres": (
+                self._backends(application_name)
+                if application_name is not None
+                else self._backends_of(app)
+            ),
             "redis": [self._redis_pid] if self._redis_pid is not None else [],
         }
         return {name: {pid: _cpu_seconds(pid) for pid in pids} for name, pids in groups.items()}
 
     def delta(
-        self, before: dict[str, dict[int, float]], gunicorn_pid: int, application_name: str
+        self,
+        before: dict[str, dict[int, float]],
+        gunicorn_pid: int,
+        application_name: str | None,
     ) -> CpuSample:
         """CPU seconds used since ``before`` by each group."""
         after = self._read(gunicorn_pid, application_name)
