@@ -26,7 +26,7 @@ import psycopg2
 
 from . import app as bench_app
 from . import cpu, load, report
-from .app import BASELINE, CHARGES_PATH, SUBJECTS
+from .app import BASELINE, CHARGES_PATH, DEFAULT_SUBJECTS, REDIS_SUBJECTS, SUBJECTS
 from .servers import (
     REPO_ROOT,
     THREADS,
@@ -87,7 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--subjects",
-        default=",".join(SUBJECTS),
+        default=",".join(DEFAULT_SUBJECTS),
         help=f"comma-separated, from {', '.join(SUBJECTS)} (bare is always included)",
     )
     parser.add_argument(
@@ -130,12 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if BASELINE not in subjects:
         subjects.insert(0, BASELINE)  # every figure is a ratio to it
     notes: list[str] = []
-    if "pg+redis" in subjects and not redis_cache_available():
-        subjects.remove("pg+redis")
-        notes.append("pg+redis skipped: flask_idempotency/cache/redis.py is not in this checkout")
+    if not redis_cache_available():
+        for subject in [s for s in subjects if s in REDIS_SUBJECTS]:
+            subjects.remove(subject)
+            notes.append(
+                f"{subject} skipped: flask_idempotency/cache/redis.py is not in this checkout"
+            )
     paths = selected(args.paths, load.PATHS, "paths")
     tool = load.choose_tool(args.load)
-    uses_redis = "pg+redis" in subjects
+    uses_redis = any(s in REDIS_SUBJECTS for s in subjects)
     check_services(args.database_url, args.redis_url if uses_redis else None)
 
     run_id = secrets.token_hex(4)

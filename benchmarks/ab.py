@@ -32,7 +32,7 @@ from pathlib import Path
 
 from . import app as bench_app
 from . import cpu, load
-from .app import BASELINE, CHARGES_PATH, SUBJECTS
+from .app import BASELINE, CHARGES_PATH, REDIS_SUBJECTS, SUBJECTS
 from .servers import (
     REPO_ROOT,
     THREADS,
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.subject == BASELINE and args.path != "noop":
         print("note: bare ignores the extension; only the benchmark app differs between trees")
-    uses_redis = args.subject == "pg+redis"
+    uses_redis = args.subject in REDIS_SUBJECTS
     check_services(args.database_url, args.redis_url if uses_redis else None)
     tool = load.choose_tool(args.load)
     run_id = secrets.token_hex(4)

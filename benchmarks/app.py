@@ -17,6 +17,9 @@ that the only difference between two subjects is what idempotency adds:
 ``pg-synccommit``
     ``pg`` with ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT`` off: the claim commits durably
     on its own. It exists to put a number on that setting.
+``pg+redis-fill-on-replay``
+    ``pg+redis`` with ``IDEMPOTENCY_REDIS_FILL = "replay"``: no SET on first
+    requests. Not in the default run; name it with ``--subjects``.
 
 gunicorn builds an app with ``benchmarks.app:create_app("pg")``; the server's
 addresses come from ``BENCH_DATABASE_URL`` and ``BENCH_REDIS_URL``.
@@ -39,7 +42,17 @@ from flask import Flask, Response, jsonify, request
 from flask_idempotency import Idempotency
 
 #: The subjects, in the order the report lists them; ``bare`` is the baseline.
-SUBJECTS: tuple[str, ...] = ("bare", "pg", "pg+redis", "pg-synccommit")
+SUBJECTS: tuple[str, ...] = (
+    "bare",
+    "pg",
+    "pg+redis",
+    "pg-synccommit",
+    "pg+redis-fill-on-replay",
+)
+#: What ``python -m benchmarks`` runs unless told otherwise.
+DEFAULT_SUBJECTS: tuple[str, ...] = SUBJECTS[:4]
+#: Subjects that use Redis (and so need it, and its cache module).
+REDIS_SUBJECTS = frozenset({"pg+redis", "pg+redis-fill-on-replay"})
 BASELINE = "bare"
 
 #: A database of the benchmark's own: the test suite truncates every table of
@@ -94,9 +107,11 @@ def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
         "IDEMPOTENCY_POOL_SIZE": POOL_SIZE,
         "IDEMPOTENCY_CONNECT_KWARGS": {"application_name": application_name(subject)},
     }
-    if subject == "pg+redis":
+    if subject in REDIS_SUBJECTS:
         config["IDEMPOTENCY_REDIS_URL"] = redis
         config["IDEMPOTENCY_REDIS_PREFIX"] = REDIS_PREFIX
+    if subject == "pg+redis-fill-on-replay":
+        config["IDEMPOTENCY_REDIS_FILL"] = "replay"
     if subject == "pg-synccommit":
         config["IDEMPOTENCY_ASYNC_CLAIM_COMMIT"] = False
     return config

@@ -431,8 +431,10 @@ def _after_request(response: Response) -> Response:
         tx.release(ctx.record_key, token)
         return _error_response(StoreUnavailable(retry_after=state.settings.retry_after))
     state.metrics.inc("completed")
-    remaining = ctx.ttl - (time.monotonic() - ctx.claimed_at)
-    state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
+    if state.settings.redis_fill == "completion":
+        # (With "replay" the copy is made by the first replay from PostgreSQL.)
+        remaining = ctx.ttl - (time.monotonic() - ctx.claimed_at)
+        state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
     response.headers[responses.REPLAYED_HEADER] = "false"
     return response
 

@@ -103,6 +103,13 @@ class Settings:
     redis_breaker_cooldown: float = 5.0
     #: ``IDEMPOTENCY_REDIS_COMPRESS_OVER``: bodies above this many bytes are zlib-compressed.
     redis_compress_over: int = 4096
+    #: ``IDEMPOTENCY_REDIS_FILL``: when a completed response is copied to Redis.
+    #: ``"completion"``: every one, as it commits; a retry is then answered from
+    #: Redis even while PostgreSQL is down, and Redis holds every response for
+    #: its TTL. ``"replay"``: the first time it is replayed from PostgreSQL; first
+    #: requests skip the SET (about 7% more of them per second here) and Redis
+    #: holds only keys that were retried.
+    redis_fill: str = "completion"
 
     @property
     def renew_interval(self) -> float:
@@ -131,6 +138,8 @@ _INT_FIELDS = {
 }
 _BOOL_FIELDS = {"async_claim_commit", "auto_migrate", "prepare_statements"}
 _CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
+#: ``IDEMPOTENCY_REDIS_FILL`` values (see :attr:`Settings.redis_fill`).
+REDIS_FILLS = ("completion", "replay")
 
 
 def _coerce_seconds(name: str, value: Any) -> float:
@@ -193,6 +202,8 @@ def settings_from_config(config: Mapping[str, Any]) -> Settings:
             if not callable(value):
                 raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} must be callable")
             values[name] = value
+        elif name == "redis_fill":
+            values[name] = str(value).strip().lower()
         elif name == "migration_dirs":
             values[name] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
         else:
@@ -233,6 +244,11 @@ def validate(settings: Settings) -> None:
         raise ValueError("IDEMPOTENCY_WAIT must be >= 0 and IDEMPOTENCY_WAIT_POLL_INTERVAL > 0")
     if settings.max_stored_body < 0:
         raise ValueError("IDEMPOTENCY_MAX_STORED_BODY must not be negative")
+    if settings.redis_fill not in REDIS_FILLS:
+        raise ValueError(
+            f"IDEMPOTENCY_REDIS_FILL must be one of {', '.join(REDIS_FILLS)}, "
+            f"got {settings.redis_fill!r}"
+        )
     if settings.redis_timeout <= 0 or settings.redis_breaker_threshold < 1:
         raise ValueError(
             "IDEMPOTENCY_REDIS_TIMEOUT must be positive and the breaker threshold >= 1"

@@ -251,6 +251,67 @@ def test_replay_is_one_redis_get_and_no_postgres_statement(
     assert app.extensions["runs"] == [{"amount": 1500}]
 
 
+def test_fill_on_replay_copies_a_response_only_once_it_is_retried(
+    make_pay_app: MakeApp, monkeypatch: pytest.MonkeyPatch, r: redis.Redis[bytes]
+) -> None:
+    """IDEMPOTENCY_REDIS_FILL = "replay": no SET on a first request; the first
+    replay comes from PostgreSQL and fills the cache; later ones are one GET."""
+    app = make_pay_app(IDEMPOTENCY_REDIS_FILL="Replay")  # (case does not matter)
+    cache = redis_cache(app)
+    client = app.test_client()
+    sent = redis_commands(monkeypatch, cache)
+
+    first = pay(client, "k1", amount=1500)
+    assert outcome(first)[:2] == (201, "false")
+    assert sent == ["GET"]  # the miss only: nothing is copied yet
+    assert r.get(cache.key(record_key(default_scope_from_header("Bearer a"), "k1"))) is None
+
+    sent.clear()
+    reset_pg_counts()
+    retried = pay(client, "k1", amount=1500)
+    assert outcome(retried) == (201, "true", first.data)
+    assert sent == ["GET", "SET"] and len(STATEMENTS) == 1  # the claim replays, then the copy
+
+    sent.clear()
+    reset_pg_counts()
+    again = pay(client, "k1", amount=1500)
+    assert outcome(again) == (201, "true", first.data)
+    assert sent == ["GET"] and STATEMENTS == []
+    assert app.extensions["runs"] == [{"amount": 1500}]
+
+
+def test_fill_on_replay_serves_only_retried_keys_while_postgres_is_down(
+    clean_db: str, clean_redis: str, tcp_proxy: ProxyFactory
+) -> None:
+    """The price of filling on replay: a key never retried before is not in Redis,
+    so its retry during a PostgreSQL outage is a 503 (fail closed), not a replay."""
+    proxy = tcp_proxy(clean_db)
+    app = build_app(
+        proxy.url_for(clean_db),
+        clean_redis,
+        {"IDEMPOTENCY_REDIS_FILL": "replay", "IDEMPOTENCY_CONNECT_TIMEOUT": 1},
+    )
+    try:
+        client = app.test_client()
+        retried, never = pay(client, "retried", amount=1), pay(client, "never", amount=2)
+        assert outcome(pay(client, "retried", amount=1)) == (201, "true", retried.data)
+
+        proxy.cut()
+        assert outcome(pay(client, "retried", amount=1)) == (201, "true", retried.data)
+        down = pay(client, "never", amount=2)
+        assert down.status_code == 503 and down.headers.get("Retry-After")
+        proxy.restore()
+        assert outcome(pay(client, "never", amount=2)) == (201, "true", never.data)
+        assert app.extensions["runs"] == [{"amount": 1}, {"amount": 2}]
+    finally:
+        app.extensions["idempotency"].close()
+
+
+def test_an_unknown_fill_mode_is_refused_at_start(clean_db: str, clean_redis: str) -> None:
+    with pytest.raises(ValueError, match="IDEMPOTENCY_REDIS_FILL must be one of"):
+        build_app(clean_db, clean_redis, {"IDEMPOTENCY_REDIS_FILL": "eager"})
+
+
 def test_large_binary_body_is_compressed_and_replayed_byte_for_byte(
     make_pay_app: MakeApp, r: redis.Redis[bytes]
 ) -> None:

@@ -326,6 +326,18 @@ class TestWithRedis:
         ]
         assert redis_writes(trace) == 2
 
+    def test_filling_on_replay_leaves_the_first_request_one_get_over_postgres(
+        self, make_subject: MakeSubject, clean_redis: str
+    ) -> None:
+        subject = make_subject("pg+redis-fill-on-replay", redis_url=clean_redis)
+        response, trace = subject.counted("fill-later-1")
+        assert response.status_code == 201
+        assert kinds(trace) == ["GET", "claim", "BEGIN", "business INSERT", "complete+COMMIT"]
+        _replayed, trace = subject.counted("fill-later-1")
+        assert kinds(trace) == ["GET", "claim", "SET"]  # the first replay makes the copy
+        _again, trace = subject.counted("fill-later-1")
+        assert kinds(trace) == ["GET"]
+
     def test_replay_missing_from_redis_is_one_statement_then_cached(
         self, make_subject: MakeSubject, clean_redis: str
     ) -> None:
