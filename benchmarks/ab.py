@@ -138,7 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"gunicorn {args.workers} x {args.threads}",
             flush=True,
         )
-        meter = cpu.CpuMeter(args.database_url, args.redis_url) if cpu.available() else None
+        meter = (
+            cpu.CpuMeter(args.database_url, args.redis_url if uses_redis else None)
+            if cpu.available()
+            else None
+        )
         try:
             with Servers(servers):
                 cells = _measure(args, run_id, by_tree, workdir, tool, meter)
