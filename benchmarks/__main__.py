@@ -28,7 +28,6 @@ from . import app as bench_app
 from . import cpu, load, report
 from .app import BASELINE, CHARGES_PATH, DEFAULT_SUBJECTS, REDIS_SUBJECTS, SUBJECTS
 from .servers import (
-    REPO_ROOT,
     THREADS,
     WORKER_CLASS,
     WORKERS,
@@ -38,6 +37,7 @@ from .servers import (
     flush_bench_redis,
     precomplete,
     redis_cache_available,
+    server_env,
     slug,
 )
 
@@ -153,10 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if uses_redis:
         flush_bench_redis(args.redis_url)
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUNICORN")}
-    env["BENCH_DATABASE_URL"] = args.database_url
-    env["BENCH_REDIS_URL"] = args.redis_url
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env = server_env(args.database_url, args.redis_url)
     started = time.time()
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []

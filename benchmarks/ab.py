@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import secrets
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ from .servers import (
     check_services,
     flush_bench_redis,
     precomplete,
+    server_env,
 )
 
 TREES = ("ref", "new")
@@ -118,10 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with worktree(args.ref) as ref_root, tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         workdir = Path(tmp)
         roots = {"ref": ref_root, "new": REPO_ROOT}
+        env = server_env(args.database_url, args.redis_url)
         servers = [
             Server(
                 args.subject,
-                _env(args, root),
+                env,
                 workdir,
                 args.workers,
                 args.threads,
@@ -154,15 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"note: {note}")
     print(summary(cells))
     return 0
-
-
-def _env(args: argparse.Namespace, root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GUNICORN")}
-    env["BENCH_DATABASE_URL"] = args.database_url
-    env["BENCH_REDIS_URL"] = args.redis_url
-    # The tree's own packages first: ahead of the editable install of the working tree.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _describe(ref: str) -> str:

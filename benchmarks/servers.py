@@ -47,8 +47,9 @@ class Server:
     """One subject's gunicorn, on a free loopback port, in its own session.
 
     ``root`` is the code tree it runs (``benchmarks.ab`` runs a second one from
-    a git worktree; ``env`` must put the same tree on ``PYTHONPATH``), and
-    ``label`` names its log when two servers run the same subject.
+    a git worktree); it goes first on the server's ``PYTHONPATH``, ahead of the
+    editable install of the working tree. ``label`` names its log when two
+    servers run the same subject.
     """
 
     def __init__(
@@ -63,7 +64,10 @@ class Server:
         label: str | None = None,
     ) -> None:
         self.subject = subject
-        self.env = env
+        self.env = {
+            **env,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p),
+        }
         self.workers = workers
         self.threads = threads
         self.root = root
@@ -185,6 +189,15 @@ class Servers:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
+
+
+def server_env(database_url: str, redis_url: str) -> dict[str, str]:
+    """The servers' environment: this one's, without gunicorn settings (the
+    subjects must differ in nothing), and the benchmark's servers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GUNICORN")}
+    env["BENCH_DATABASE_URL"] = database_url
+    env["BENCH_REDIS_URL"] = redis_url
+    return env
 
 
 def _free_port() -> int:
