@@ -13,12 +13,21 @@ from .errors import (
     MissingKey,
     RequestInProgress,
     ResponseTooLarge,
+    ScopeUnavailable,
     StoreUnavailable,
 )
 from .extension import Idempotency
+from .recovery import Abandoned
+from .responses import EXPOSED_HEADERS
+from .scopes import authorization_scope, default_scope, global_scope, user_scope
 from .settings import NOT_STORED_STATUSES, Settings, default_should_store
 
+#: The release; pyproject.toml reads it from here (the one place it is written).
+__version__ = "0.2.0"
+
 __all__ = [
+    "EXPOSED_HEADERS",
+    "Abandoned",
     "NOT_STORED_STATUSES",
     "Idempotency",
     "IdempotencyError",
@@ -29,7 +38,12 @@ __all__ = [
     "MissingKey",
     "RequestInProgress",
     "ResponseTooLarge",
+    "ScopeUnavailable",
     "Settings",
     "StoreUnavailable",
+    "authorization_scope",
+    "default_scope",
     "default_should_store",
+    "global_scope",
+    "user_scope",
 ]

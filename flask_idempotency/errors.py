@@ -12,6 +12,8 @@ from typing import Any
 
 from werkzeug.exceptions import HTTPException
 
+from .profiles import current_profile
+
 
 class IdempotencyError(HTTPException):
     """Base class: a JSON error with ``type: idempotency_error`` and a stable ``error_code``."""
@@ -20,6 +22,8 @@ class IdempotencyError(HTTPException):
     error_type = "idempotency_error"
     error_code = "idempotency_error"
     description = "Idempotency error."
+    #: A short, fixed summary of the problem type (RFC 9457 ``title``).
+    title = "Idempotency error"
     #: Whole seconds for ``Retry-After``; ``None`` leaves the header out.
     retry_after: int | None = None
 
@@ -37,11 +41,26 @@ class IdempotencyError(HTTPException):
             }
         }
 
+    def problem(self, type_base: str) -> dict[str, Any]:
+        """The error as RFC 9457 problem details (the ``ietf`` profile)."""
+        return {
+            "type": type_base + self.error_code,
+            "title": self.title,
+            "status": self.code,
+            "detail": self.description,
+            "code": self.error_code,
+        }
+
     def get_body(self, environ: Any = None, scope: Any = None) -> str:
+        profile, type_base = current_profile()
+        if profile.problem_details:
+            return json.dumps(self.problem(type_base))
         return json.dumps(self.body())
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
-        headers = [("Content-Type", "application/json")]
+        profile, _ = current_profile()
+        media_type = "application/problem+json" if profile.problem_details else "application/json"
+        headers = [("Content-Type", media_type)]
         if self.retry_after is not None:
             headers.append(("Retry-After", str(self.retry_after)))
         return headers
@@ -49,14 +68,40 @@ class IdempotencyError(HTTPException):
 
 class MissingKey(IdempotencyError):
     code = 400
+    title = "Idempotency-Key missing"
     error_code = "missing_key"
     description = "This endpoint requires an Idempotency-Key header."
 
 
 class InvalidKey(IdempotencyError):
     code = 400
+    title = "Invalid Idempotency-Key"
     error_code = "invalid_key"
     description = "The Idempotency-Key must be 1 to 255 visible ASCII characters (0x21-0x7E)."
+
+
+class ScopeUnavailable(IdempotencyError):
+    """The request names no principal (no user, no credentials) that its key could
+    belong to. Refused before anything is claimed, never pooled with other
+    principals' records.
+
+    A 400, not a 401: the app's own authentication, which runs first, decides
+    who must authenticate and with which challenge (a 401 must carry a
+    ``WWW-Authenticate`` scheme the extension cannot know); and not a 5xx,
+    which clients retry as they are: resending this request unchanged cannot
+    succeed. Send credentials, or configure ``IDEMPOTENCY_SCOPE_FUNC``.
+    """
+
+    code = 400
+    title = "No principal to scope the key to"
+    error_code = "missing_scope"
+    description = (
+        "This request carries no principal (user or credentials) to scope its "
+        "Idempotency-Key to, so it was not processed. Send your credentials; the "
+        "application may configure IDEMPOTENCY_SCOPE_FUNC to name its principals "
+        "(e.g. the logged-in user), or choose flask_idempotency.global_scope if it "
+        "has a single one."
+    )
 
 
 class MalformedBody(IdempotencyError):
@@ -64,6 +109,7 @@ class MalformedBody(IdempotencyError):
     mid-body): a 400 before anything is claimed, never a 500."""
 
     code = 400
+    title = "Unreadable request body"
     error_type = "invalid_request_error"
     error_code = "malformed_body"
     description = "The request body could not be read."
@@ -71,6 +117,7 @@ class MalformedBody(IdempotencyError):
 
 class KeyReused(IdempotencyError):
     code = 422
+    title = "Idempotency-Key reused with another request"
     error_code = "key_reused"
     description = (
         "This Idempotency-Key was already used with a different request (method, path or body)."
@@ -79,6 +126,7 @@ class KeyReused(IdempotencyError):
 
 class RequestInProgress(IdempotencyError):
     code = 409
+    title = "Request with this Idempotency-Key in progress"
     error_code = "in_progress"
     description = "A request with this Idempotency-Key is still being processed; retry later."
     retry_after = 1
@@ -86,6 +134,7 @@ class RequestInProgress(IdempotencyError):
 
 class LeaseLost(IdempotencyError):
     code = 409
+    title = "Request taken over after its lease expired"
     error_code = "lease_lost"
     description = (
         "This request took longer than its lease and another request with the same "
@@ -96,6 +145,7 @@ class LeaseLost(IdempotencyError):
 
 class StoreUnavailable(IdempotencyError):
     code = 503
+    title = "Idempotency store unavailable"
     error_code = "store_unavailable"
     description = "The idempotency store is unavailable; the request was not processed."
     retry_after = 1
@@ -109,6 +159,7 @@ class ResponseTooLarge(IdempotencyError):
     """
 
     code = 500
+    title = "Response too large to store"
     error_code = "response_too_large"
     description = "The response was too large to store for idempotent replay; nothing was kept."
 
@@ -116,6 +167,7 @@ class ResponseTooLarge(IdempotencyError):
 ALL_ERRORS: Iterable[type[IdempotencyError]] = (
     MissingKey,
     InvalidKey,
+    ScopeUnavailable,
     MalformedBody,
     KeyReused,
     RequestInProgress,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 from .settings import ShouldStore
 from .store.base import Claimed, ClaimResult, StoredResponse
@@ -17,9 +18,11 @@ from .store.base import Claimed, ClaimResult, StoredResponse
 
 @dataclasses.dataclass(frozen=True)
 class Proceed:
-    """Run the view: the claim is ours under ``token``."""
+    """Run the view: the claim is ours under ``token``; resume after ``phases``, the
+    recovery points a dead holder of the same request committed (``phases.py``)."""
 
     token: int
+    phases: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ def decide(result: ClaimResult, fingerprint: bytes) -> Decision:
     while the first is still running); then a finished record replays and a running
     one is a 409."""
     if isinstance(result, Claimed):
-        return Proceed(result.token)
+        return Proceed(result.token, result.phases)
     if result.fingerprint != fingerprint:
         return Reject(Rejection.KEY_REUSED)
     if result.state == "completed" and result.response is not None:

@@ -1,4 +1,4 @@
-"""Reading and validating the key header, the scope, and the digests derived from them.
+"""Reading and validating the key header, resolving the scope, and the digests derived from them.
 
 Keys are never stored or logged raw: the record's primary key is a SHA-256 of
 (scope, key), and logs carry a short prefix of that digest.
@@ -7,10 +7,13 @@ Keys are never stored or logged raw: the record's primary key is a SHA-256 of
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 from flask import Request
 
-from .errors import InvalidKey, MissingKey
+from .errors import InvalidKey, MissingKey, ScopeUnavailable
+from .scopes import authorization_digest
+from .scopes import default_scope as default_scope  # re-exported: its old home
 
 #: The IETF draft and Stripe both cap keys at 255 characters.
 MAX_KEY_LENGTH = 255
@@ -62,20 +65,30 @@ def _unquote_sf_string(inner: str) -> str:
     return "".join(out)
 
 
-def default_scope(request: Request) -> str:
-    """Scope records by the caller's credentials, hashed so no secret is kept.
+def resolve_scope(scope_func: Callable[[Request], str | None], request: Request) -> str:
+    """The request's scope, as ``scope_func`` names it.
 
-    Two API keys sending the same Idempotency-Key get independent records.
-    Requests without an ``Authorization`` header share the empty scope.
+    ``None`` means the request names no principal: it is refused with
+    :class:`ScopeUnavailable` (``400 missing_scope``) before anything is claimed,
+    rather than pooled with other principals' records. Anything but a ``str``
+    or ``None`` is a bug in the scope function, raised as a ``TypeError``.
     """
-    return default_scope_from_header(request.headers.get("Authorization", ""))
+    scope: object = scope_func(request)
+    if isinstance(scope, str):
+        return scope
+    if scope is None:
+        raise ScopeUnavailable()
+    name = getattr(scope_func, "__qualname__", repr(scope_func))
+    raise TypeError(
+        f"the idempotency scope function {name} returned {type(scope).__name__}; "
+        "it must return a str, or None when the request names no principal"
+    )
 
 
 def default_scope_from_header(authorization: str) -> str:
-    """The default scope for a raw ``Authorization`` value (also used by the CLI)."""
-    if not authorization:
-        return ""
-    return hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest()
+    """The scope :func:`~flask_idempotency.scopes.authorization_scope` gives a
+    non-empty ``Authorization`` value (its SHA-256, as records have always used)."""
+    return authorization_digest(authorization)
 
 
 def record_key(scope: str, key: str) -> bytes:

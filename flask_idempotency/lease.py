@@ -5,6 +5,12 @@ single statement, every ``interval`` seconds. A slow but live request is
 never taken over; a dead worker's thread dies with it, so its claims expire
 on time. The thread starts lazily on the first claim, which under gunicorn is
 after the fork, and restarts if the process forks again.
+
+It renews on a database connection of its own (``Store.renew``), never one of
+the request slots: when every slot is held by a slow view, those are exactly
+the leases that need renewing. Each renewal is bounded by the store's
+statement timeout and client-side deadline, so a database that stops
+answering fails one round (logged) instead of hanging the thread.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ import logging
 import os
 import threading
 
+from .observability import Observer
 from .store.base import LeaseHold, Store, StoreUnavailableError
 
-log = logging.getLogger("flask_idempotency")
+log = logging.getLogger("flask_idempotency.lease")
 
 
 class LeaseKeeper:
@@ -27,6 +34,10 @@ class LeaseKeeper:
         self._holds: dict[tuple[bytes, int], LeaseHold] = {}
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        #: Renewal rounds run by the thread so far (successful or not).
+        self.rounds = 0
+        #: Told how each round went once the app is observed (``observability.attach``).
+        self.observer: Observer | None = None
 
     @property
     def enabled(self) -> bool:
@@ -61,18 +72,26 @@ class LeaseKeeper:
         holds = self.held()
         if not holds:
             return 0
+        observer = self.observer
         try:
-            return self._store.renew(holds)
+            renewed = self._store.renew(holds)
         except StoreUnavailableError as exc:
             # The lease still runs; if the database stays away the claim expires,
             # and the holder's completion will then be refused (fencing).
             log.warning("idempotency: lease renewal failed: %s", exc)
+            if observer is not None:
+                observer.lease_renewal_failed()
             return 0
+        if observer is not None:
+            observer.leases_renewed(renewed)
+        return renewed
 
     def _run(self) -> None:
         stopped = self._stopped
+        self._store.prepare_renewals()
         while not stopped.wait(self._interval):
             self.renew_now()
+            self.rounds += 1
 
     def stop(self) -> None:
         self._stopped.set()

@@ -1,20 +1,40 @@
-"""Per-process counters of what the extension decided, for dashboards and alerts.
+"""Per-process counters of what the extension decided, and the hub that reports it.
 
-Cheap enough for the hot path (one lock, one dict increment). Each gunicorn
-worker counts its own requests; export them with your metrics library of choice
-(e.g. a Prometheus collector reading ``idempotency.metrics()``), and use
-``flask idempotency stats`` for the table-wide view.
+Each request's outcome goes through :meth:`Metrics.record`: one dict increment
+for ``idempotency.metrics()``, one log-level check, and nothing more unless an
+observer is attached (``observability.attach``: Prometheus, OpenTelemetry, your
+own). Those counters are this process's only; under gunicorn use
+``observability.prometheus`` for figures that add up across workers, and
+``flask idempotency stats`` (or its Prometheus collector) for the table-wide view.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from typing import Protocol
+
+from flask import Request, has_request_context, request
+from werkzeug.exceptions import HTTPException
+
+from . import flow
+from .keys import log_key
+from .observability import (
+    PHASE_COMPLETE,
+    Attributes,
+    AttributeValue,
+    Observer,
+    Outcome,
+    RequestEvent,
+)
+from .observability.logs import LEVELS, TAKEOVER_LEVEL, log, log_event
+from .store.base import LeaseLostError, StoreUnavailableError
 
 #: Every counter, so a snapshot always has the same keys.
 NAMES = (
-    "executed",  # the view ran under a new claim
-    "completed",  # its answer was stored
+    "executed",  # the view ran under a new claim (its outcome is counted below)
+    "completed",  # its answer was stored (outcome "executed")
     "released",  # its answer was not stored (5xx, not-acted-on 4xx, exception)
     "replayed_from_cache",
     "replayed_from_store",
@@ -22,14 +42,57 @@ NAMES = (
     "key_reused",  # 422
     "lease_lost",  # 409: our completion was fenced off after a takeover
     "store_unavailable",  # 503: PostgreSQL failed, fail closed
-    "not_storable",  # 500: answer too large or a file stream
+    "not_storable",  # 500: answer too large to store under oversize="reject"
+    "takeovers",  # claims that took over a dead holder's record (also in "executed")
+    "invalid_key",  # 400
+    "missing_key",  # 400
+    "missing_scope",  # 400
+    "malformed_body",  # 400
+    "body_too_large",  # 413
+    "keyless",  # an optional route without a key: passed through
+    "safe_method",  # GET, HEAD, OPTIONS, TRACE: passed through
 )
+
+#: The snapshot counter of each outcome (a replay's depends on its source).
+_COUNTER: dict[Outcome, str] = {outcome: outcome.value for outcome in Outcome}
+_COUNTER[Outcome.EXECUTED] = "completed"
+_REPLAY_COUNTER = {"cache": "replayed_from_cache", "store": "replayed_from_store"}
+
+#: The outcome of a request refused before anything was claimed, by error code.
+_REFUSALS = {
+    "invalid_key": Outcome.INVALID_KEY,
+    "missing_key": Outcome.MISSING_KEY,
+    "missing_scope": Outcome.MISSING_SCOPE,
+    "malformed_body": Outcome.MALFORMED_BODY,
+}
+
+#: What a claim decided, as the claim span's ``idempotency.claim.result``.
+_CLAIM_RESULTS: dict[type, str] = {flow.Proceed: "claimed", flow.Replay: "replay"}
+
+
+class RequestFacts(Protocol):
+    """What the hub reads from the extension's per-request state."""
+
+    record_key: bytes | None
+    token: int | None
+    scope: str | None
+    request: Request | None
+    started: float
+    takeover: bool
+    claim_seconds: float
+    completion_seconds: float | None
 
 
 class Metrics:
+    """This process's counters for one app, and its observers."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        #: Empty until ``observability.attach``: then every hook fans out to these.
+        self.observers: tuple[Observer, ...] = ()
+        #: What the pool, the cache and the lease keeper call once observers exist.
+        self.fanout = _Fanout(self)
 
     def inc(self, name: str) -> None:
         with self._lock:
@@ -38,3 +101,239 @@ class Metrics:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {name: self._counts[name] for name in NAMES}
+
+    def add_observer(self, observer: Observer) -> None:
+        if observer not in self.observers:
+            self.observers = (*self.observers, observer)
+
+    # -- the request path ------------------------------------------------------
+
+    def claimed(self, ctx: RequestFacts) -> None:
+        """A claim was won; the view runs next."""
+        with self._lock:
+            self._counts["executed"] += 1
+            if ctx.takeover:
+                self._counts["takeovers"] += 1
+        if self.observers:
+            for observer in self.observers:
+                observer.claimed(ctx.takeover)
+
+    def record(
+        self,
+        ctx: RequestFacts | None,
+        outcome: Outcome,
+        *,
+        source: str | None = None,
+        status: int | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Count, log and report a request's outcome. The caller makes sure it is
+        called once per request (``ctx`` is ``None`` before there is a record key)."""
+        name = _COUNTER[outcome] if source is None else _REPLAY_COUNTER[source]
+        with self._lock:
+            self._counts[name] += 1
+        level = LEVELS[outcome]
+        if ctx is not None and ctx.takeover and level < TAKEOVER_LEVEL:
+            level = TAKEOVER_LEVEL
+        loud = log.isEnabledFor(level)
+        if not (loud or self.observers):
+            return
+        event = _event(ctx, outcome, source, status, error)
+        if loud:
+            log_event(event, level)
+        for observer in self.observers:
+            observer.request_finished(event)
+
+    def refused(self, exc: Exception) -> None:
+        """A request refused before anything was claimed (its key, scope or body)."""
+        if isinstance(exc, HTTPException) and exc.code == 413:
+            self.record(None, Outcome.BODY_TOO_LARGE, status=413)
+            return
+        outcome = _REFUSALS.get(getattr(exc, "error_code", ""))
+        if outcome is not None:
+            self.record(None, outcome, status=400)
+
+    def phase(
+        self,
+        phase: str,
+        ctx: RequestFacts,
+        *,
+        source: str | None = None,
+        status: int | None = None,
+    ) -> Phase:
+        """A context manager around one phase, for the observers' spans and
+        histograms; a shared no-op while nobody observes."""
+        if not self.observers:
+            return NULL_PHASE
+        attributes: Attributes = {}
+        if not any(observer.phase_attributes for observer in self.observers):
+            return _Phase(self.observers, phase, attributes)
+        attributes["idempotency.route"] = _where(ctx.request)[0]
+        if ctx.record_key is not None:
+            attributes["idempotency.key_digest"] = log_key(ctx.record_key)
+        if source is not None:
+            attributes["idempotency.replay.source"] = source
+        if status is not None:
+            attributes["http.response.status_code"] = status
+        return _Phase(self.observers, phase, attributes)
+
+
+class Phase:
+    """A phase nobody observes: every method does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Phase:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def decided(self, decision: flow.Decision, takeover: bool) -> None:
+        """Note what the claim decided (the claim span's result and takeover)."""
+
+    def set(self, name: str, value: AttributeValue) -> None:
+        """Note one more attribute of the phase."""
+
+
+NULL_PHASE = Phase()
+
+
+class _Phase(Phase):
+    __slots__ = ("_observers", "_name", "_attributes", "_tokens", "_started")
+
+    def __init__(
+        self, observers: tuple[Observer, ...], name: str, attributes: Attributes
+    ) -> None:
+        self._observers = observers
+        self._name = name
+        self._attributes = attributes
+        self._tokens: list[object] = []
+        self._started = 0.0
+
+    def __enter__(self) -> Phase:
+        self._tokens = [o.phase_started(self._name, self._attributes) for o in self._observers]
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        seconds = time.perf_counter() - self._started
+        error = exc_info[1] if isinstance(exc_info[1], BaseException) else None
+        if self._name == PHASE_COMPLETE:
+            self._attributes["idempotency.outcome"] = _completion_outcome(error)
+        for observer, token in zip(self._observers, self._tokens, strict=True):
+            observer.phase_ended(self._name, token, seconds, self._attributes, error)
+
+    def decided(self, decision: flow.Decision, takeover: bool) -> None:
+        result = _CLAIM_RESULTS.get(type(decision))
+        if result is None and isinstance(decision, flow.Reject):
+            result = decision.reason.value
+        self._attributes["idempotency.claim.result"] = result or "unknown"
+        self._attributes["idempotency.takeover"] = takeover
+
+    def set(self, name: str, value: AttributeValue) -> None:
+        self._attributes[name] = value
+
+
+def _completion_outcome(error: BaseException | None) -> str:
+    if error is None:
+        return Outcome.EXECUTED.value
+    if isinstance(error, LeaseLostError):
+        return Outcome.LEASE_LOST.value
+    if isinstance(error, StoreUnavailableError):
+        return Outcome.STORE_UNAVAILABLE.value
+    return "error"
+
+
+class _Fanout(Observer):
+    """The pool's, the cache's and the keeper's observer: passes each call on."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def leases_renewed(self, renewed: int) -> None:
+        for observer in self._metrics.observers:
+            observer.leases_renewed(renewed)
+
+    def lease_renewal_failed(self) -> None:
+        for observer in self._metrics.observers:
+            observer.lease_renewal_failed()
+
+    def cache_lookup(self, hit: bool) -> None:
+        for observer in self._metrics.observers:
+            observer.cache_lookup(hit)
+
+    def redis_failed(self, command: str) -> None:
+        for observer in self._metrics.observers:
+            observer.redis_failed(command)
+
+    def redis_skipped(self, command: str) -> None:
+        for observer in self._metrics.observers:
+            observer.redis_skipped(command)
+
+    def breaker_changed(self, state: str) -> None:
+        for observer in self._metrics.observers:
+            observer.breaker_changed(state)
+
+    def pool_checkout(self) -> None:
+        for observer in self._metrics.observers:
+            observer.pool_checkout()
+
+    def pool_checkin(self) -> None:
+        for observer in self._metrics.observers:
+            observer.pool_checkin()
+
+    def pool_waiting(self, delta: int) -> None:
+        for observer in self._metrics.observers:
+            observer.pool_waiting(delta)
+
+    def pool_timeout(self) -> None:
+        for observer in self._metrics.observers:
+            observer.pool_timeout()
+
+
+def _where(req: Request | None) -> tuple[str, str]:
+    """The matched URL rule (bounded, unlike the path, so fit for a metric label)
+    and the method; from Flask's proxy only when the extension did not keep the
+    request."""
+    if req is None:
+        if not has_request_context():
+            return "<none>", ""
+        req = request
+    rule = req.url_rule
+    return (rule.rule if rule is not None else "<unmatched>"), req.method
+
+
+def _event(
+    ctx: RequestFacts | None,
+    outcome: Outcome,
+    source: str | None,
+    status: int | None,
+    error: BaseException | None,
+) -> RequestEvent:
+    if ctx is None:
+        route, method = _where(None)
+        return RequestEvent(outcome, route, method, status=status, error=_describe(error))
+    route, method = _where(ctx.request)
+    return RequestEvent(
+        outcome,
+        route,
+        method,
+        source,
+        status,
+        ctx.token is not None,
+        ctx.takeover,
+        log_key(ctx.record_key) if ctx.record_key is not None else None,
+        time.monotonic() - ctx.started if ctx.started else None,
+        ctx.claim_seconds or None,
+        ctx.completion_seconds,
+        _describe(error) if error is not None else None,
+        ctx.scope,
+    )
+
+
+def _describe(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

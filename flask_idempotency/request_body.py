@@ -17,7 +17,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from .errors import MalformedBody
 
-log = logging.getLogger("flask_idempotency")
+log = logging.getLogger("flask_idempotency.requests")
 
 
 def read_body(request: Request) -> bytes:

@@ -6,15 +6,19 @@ code in the application.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from flask import Response
 
+from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, STRIPE, Profile
 from .store.base import StoredResponse
 
-REPLAYED_HEADER = "Idempotent-Replayed"
+#: The default (stripe) profile's marker; the ietf profile's is ``Idempotency-Replayed``.
+REPLAYED_HEADER = STRIPE.replayed_header
 
 #: Not replayed: hop-by-hop headers, per-answer headers the server sets again,
 #: the length (recomputed), cookies (a replay must never hand out a session),
-#: and our own marker.
+#: and our own markers.
 NOT_STORED_HEADERS = frozenset(
     h.lower()
     for h in (
@@ -32,31 +36,118 @@ NOT_STORED_HEADERS = frozenset(
         "Server",
         "Content-Length",
         "Set-Cookie",
-        REPLAYED_HEADER,
+        STRIPE.replayed_header,
+        IETF.replayed_header,
+        OMITTED_HEADER,
     )
 )
 
+#: Every response header the extension may set, for ``Access-Control-Expose-Headers``.
+EXPOSED_HEADERS = (STRIPE.replayed_header, IETF.replayed_header, OMITTED_HEADER, "Retry-After")
+
 
 class NotStorable(Exception):
-    """The response streams a file or cannot be buffered."""
+    """The body is larger than the most that may be stored (and the route rejects such)."""
 
 
-def capture(response: Response) -> StoredResponse:
-    if response.direct_passthrough:
-        raise NotStorable("direct passthrough responses (files) cannot be stored")
-    try:
-        body = response.get_data()
-    except RuntimeError as exc:
-        raise NotStorable(str(exc)) from exc
+def capture(response: Response, max_body: int, *, omit_oversize: bool) -> StoredResponse:
+    """The response as data; a streamed body (a generator, ``stream_with_context``,
+    ``send_file``) is read into memory first and then served from the buffer.
+
+    Streaming routes are buffered rather than refused: a stored answer must be
+    replayable byte for byte. A body over ``max_body`` is stored without its body
+    (``omit_oversize``; the client still gets all of it, the rest of a stream
+    flowing on untouched) or refused with :class:`NotStorable`.
+    """
     headers = tuple(
         (name, value)
         for name, value in response.headers.items()
         if name.lower() not in NOT_STORED_HEADERS
     )
+    if response.is_sequence and not response.direct_passthrough:
+        body: bytes | None = response.get_data()
+        if body is not None and len(body) > max_body:
+            if not omit_oversize:
+                raise NotStorable(f"body of {len(body)} bytes is over the limit of {max_body}")
+            body = None
+    else:
+        body = _buffer_stream(response, max_body, omit_oversize)
+    if body is None:
+        return StoredResponse(
+            response.status_code, (*headers, (OMITTED_HEADER, OMITTED_VALUE)), b""
+        )
     return StoredResponse(response.status_code, headers, body)
 
 
-def replay(stored: StoredResponse) -> Response:
+def _buffer_stream(response: Response, max_body: int, omit_oversize: bool) -> bytes | None:
+    """The whole streamed body, now served from memory; ``None`` when it was over
+    ``max_body`` and goes on streaming (``omit_oversize``)."""
+    source = response.response
+    encoded = iter(response.iter_encoded())
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        for chunk in encoded:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > max_body:
+                if not omit_oversize:
+                    raise NotStorable(f"streamed body over the limit of {max_body} bytes")
+                response.response = _Rejoined(chunks, encoded, source)
+                response.direct_passthrough = False
+                return None
+    except BaseException:
+        _close(source)
+        raise
+    _close(source)  # the generator or the file: read to its end
+    body = b"".join(chunks)
+    # Served from the buffer from now on; Content-Length becomes exact.
+    response.direct_passthrough = False
+    response.set_data(body)
+    return body
+
+
+class _Rejoined:
+    """The chunks already read, then the rest of the stream; closes its source."""
+
+    def __init__(self, head: list[bytes], rest: Iterator[bytes], source: object) -> None:
+        self._head = head
+        self._rest = rest
+        self._source = source
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._head
+        yield from self._rest
+
+    def close(self) -> None:
+        _close(self._source)
+
+
+def _close(source: object) -> None:
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
+
+
+def replay(stored: StoredResponse, profile: Profile = STRIPE) -> Response:
     response = Response(stored.body, status=stored.status, headers=list(stored.headers))
-    response.headers[REPLAYED_HEADER] = "true"
+    response.headers[profile.replayed_header] = "true"
     return response
+
+
+def mark_original(response: Response, profile: Profile) -> None:
+    """Mark an answer the view produced, where the profile does (Stripe's ``false``)."""
+    if profile.mark_originals:
+        response.headers[profile.replayed_header] = "false"
+
+
+def expose_headers(response: Response) -> None:
+    """Add the extension's headers to ``Access-Control-Expose-Headers`` (CORS)."""
+    present = {
+        name.strip().lower()
+        for value in response.headers.get_all("Access-Control-Expose-Headers")
+        for name in value.split(",")
+    }
+    missing = [h for h in EXPOSED_HEADERS if h.lower() not in present]
+    if missing:
+        response.headers.add("Access-Control-Expose-Headers", ", ".join(missing))

@@ -14,7 +14,7 @@ from typing import Any
 from flask import Request
 
 from .fingerprint import request_fingerprint
-from .keys import default_scope
+from .scopes import default_scope
 
 #: Statuses below 500 that mean "the request was not acted on": they are not
 #: stored, so a corrected retry under the same key runs (as at Stripe).
@@ -26,7 +26,8 @@ def default_should_store(status: int) -> bool:
     return status < 500 and status not in NOT_STORED_STATUSES
 
 
-ScopeFunc = Callable[[Request], str]
+#: ``None`` from a scope function: the request names no principal (refused, 400).
+ScopeFunc = Callable[[Request], str | None]
 FingerprintFunc = Callable[[Request], bytes]
 ShouldStore = Callable[[int], bool]
 
@@ -66,7 +67,10 @@ class Settings:
     wait_poll_interval: float = 0.05
     #: ``IDEMPOTENCY_SHOULD_STORE``: ``f(status) -> bool``, which answers are stored.
     should_store: ShouldStore = default_should_store
-    #: ``IDEMPOTENCY_SCOPE_FUNC``: ``f(request) -> str``, the tenant a key belongs to.
+    #: ``IDEMPOTENCY_SCOPE_FUNC``: ``f(request) -> str | None``, the principal (user,
+    #: API key, tenant) a key belongs to; ``None`` refuses the request (``400
+    #: missing_scope``). Default: flask-login's user, else the hashed
+    #: ``Authorization`` header (``flask_idempotency.scopes``).
     scope_func: ScopeFunc = default_scope
     #: ``IDEMPOTENCY_FINGERPRINT_FUNC``: ``f(request) -> bytes``, what "same request" means.
     fingerprint_func: FingerprintFunc = request_fingerprint
@@ -110,6 +114,48 @@ class Settings:
     #: requests skip the SET (about 7% more of them per second here) and Redis
     #: holds only keys that were retried.
     redis_fill: str = "completion"
+    #: ``IDEMPOTENCY_PROFILE``: the API conventions spoken (``flask_idempotency.profiles``):
+    #: ``"stripe"`` (JSON errors, ``Idempotent-Replayed: true|false``) or ``"ietf"``
+    #: (RFC 9457 problem details, ``Idempotency-Replayed: true`` on replays only).
+    profile: str = "stripe"
+    #: ``IDEMPOTENCY_PROBLEM_TYPE_BASE``: prefix of a problem's ``type`` (ietf profile);
+    #: the error code completes it.
+    problem_type_base: str = "urn:flask-idempotency:error:"
+    #: ``IDEMPOTENCY_OVERSIZE``: an answer whose body is over ``MAX_STORED_BODY``.
+    #: ``"omit_body"``: kept and stored without its body; the client gets it whole,
+    #: retries get its status and headers with ``Idempotency-Replay: omitted``. A
+    #: charge the processor made is recorded, never rolled back. ``"reject"``: rolled
+    #: back and answered ``500 response_too_large``; every retry runs the view again.
+    oversize: str = "omit_body"
+    #: ``IDEMPOTENCY_EXPOSE_HEADERS``: name the extension's response headers in
+    #: ``Access-Control-Expose-Headers`` so browsers' scripts can read them (CORS).
+    expose_headers: bool = False
+    #: ``IDEMPOTENCY_CLAIM_MODE``: how a key is claimed (README "Claim modes").
+    #: ``"row"``: a processing row committed on its own, kept alive by a lease;
+    #: visible to ``stats``/``unlock``, no transaction open while the view waits on
+    #: others. ``"transaction"``: the view's transaction opens with the claim under
+    #: advisory locks and its COMMIT inserts the completed record: one commit per
+    #: request, no lease, but the transaction stays open for the whole view.
+    #: Every process of a deployment must use the same mode.
+    claim_mode: str = "row"
+    #: ``IDEMPOTENCY_STATEMENT_TIMEOUT``: seconds each of the extension's own
+    #: statements (claim, completion, release, lease renewal) may take, set with
+    #: ``SET LOCAL statement_timeout`` in the same round trip, so your view's own
+    #: statements keep your session's setting. The extension also gives up on its
+    #: statement 1 s after this if no answer came at all (a partition, a hung proxy:
+    #: the socket is shut down). Either way the request answers 503.
+    statement_timeout: float = 5.0
+    #: ``IDEMPOTENCY_LOCK_TIMEOUT``: seconds the extension's own statements wait for
+    #: a row lock (``SET LOCAL lock_timeout``) before a 503; ``0`` waits up to
+    #: the statement timeout.
+    lock_timeout: float = 2.0
+    #: ``IDEMPOTENCY_BROKER_URL``: where ``flask idempotency relay`` publishes the
+    #: outbox's events (a kombu URL: ``amqp://user:pass@host:5672/vhost``); the
+    #: relay's ``--broker-url`` overrides it. Unset: the relay refuses to start.
+    broker_url: str | None = None
+    #: ``IDEMPOTENCY_EVENTS_EXCHANGE``: the durable topic exchange events are
+    #: published to, with the event type as routing key.
+    events_exchange: str = "idempotency.events"
 
     @property
     def renew_interval(self) -> float:
@@ -119,6 +165,8 @@ class Settings:
 
 
 _SECONDS_FIELDS = {
+    "statement_timeout",
+    "lock_timeout",
     "ttl",
     "lease",
     "lease_renew_interval",
@@ -136,10 +184,23 @@ _INT_FIELDS = {
     "redis_breaker_threshold",
     "redis_compress_over",
 }
-_BOOL_FIELDS = {"async_claim_commit", "auto_migrate", "prepare_statements"}
+_BOOL_FIELDS = {"async_claim_commit", "auto_migrate", "prepare_statements", "expose_headers"}
 _CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
 #: ``IDEMPOTENCY_REDIS_FILL`` values (see :attr:`Settings.redis_fill`).
 REDIS_FILLS = ("completion", "replay")
+#: ``IDEMPOTENCY_PROFILE`` values (see :attr:`Settings.profile`).
+PROFILES = ("stripe", "ietf")
+#: ``IDEMPOTENCY_OVERSIZE`` values (see :attr:`Settings.oversize`).
+OVERSIZE_CHOICES = ("omit_body", "reject")
+#: Settings with a closed set of string values.
+#: ``IDEMPOTENCY_CLAIM_MODE`` values (see :attr:`Settings.claim_mode`).
+CLAIM_MODES = ("row", "transaction")
+_CHOICE_FIELDS = {
+    "redis_fill": REDIS_FILLS,
+    "profile": PROFILES,
+    "oversize": OVERSIZE_CHOICES,
+    "claim_mode": CLAIM_MODES,
+}
 
 
 def _coerce_seconds(name: str, value: Any) -> float:
@@ -202,13 +263,20 @@ def settings_from_config(config: Mapping[str, Any]) -> Settings:
             if not callable(value):
                 raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} must be callable")
             values[name] = value
-        elif name == "redis_fill":
+        elif name in _CHOICE_FIELDS:
             values[name] = str(value).strip().lower()
         elif name == "migration_dirs":
             values[name] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
         else:
             values[name] = value
-    for name in ("pool_size", "connect_timeout", "retry_after", "max_stored_body"):
+    for name in (
+        "pool_size",
+        "connect_timeout",
+        "retry_after",
+        "max_stored_body",
+        "statement_timeout",
+        "lock_timeout",
+    ):
         if name in values and values[name] is None:
             del values[name]
     settings = Settings(**values)
@@ -244,12 +312,17 @@ def validate(settings: Settings) -> None:
         raise ValueError("IDEMPOTENCY_WAIT must be >= 0 and IDEMPOTENCY_WAIT_POLL_INTERVAL > 0")
     if settings.max_stored_body < 0:
         raise ValueError("IDEMPOTENCY_MAX_STORED_BODY must not be negative")
-    if settings.redis_fill not in REDIS_FILLS:
-        raise ValueError(
-            f"IDEMPOTENCY_REDIS_FILL must be one of {', '.join(REDIS_FILLS)}, "
-            f"got {settings.redis_fill!r}"
-        )
+    for name, choices in _CHOICE_FIELDS.items():
+        value = getattr(settings, name)
+        if value not in choices:
+            raise ValueError(
+                f"IDEMPOTENCY_{name.upper()} must be one of {', '.join(choices)}, got {value!r}"
+            )
     if settings.redis_timeout <= 0 or settings.redis_breaker_threshold < 1:
         raise ValueError(
             "IDEMPOTENCY_REDIS_TIMEOUT must be positive and the breaker threshold >= 1"
         )
+    if not settings.statement_timeout > 0:
+        raise ValueError("IDEMPOTENCY_STATEMENT_TIMEOUT must be positive")
+    if not settings.lock_timeout >= 0:
+        raise ValueError("IDEMPOTENCY_LOCK_TIMEOUT must not be negative (0 = no lock timeout)")

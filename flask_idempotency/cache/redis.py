@@ -36,6 +36,7 @@ import redis.exceptions
 import redis.retry
 
 from ..keys import log_key
+from ..observability import Observer
 from ..settings import Settings
 from ..store.base import StoredResponse
 from . import codec
@@ -43,7 +44,7 @@ from .base import CachedRecord
 from .breaker import BreakerState, CircuitBreaker, Transition
 from .wire import ThreadConnections
 
-log = logging.getLogger("flask_idempotency")
+log = logging.getLogger("flask_idempotency.cache")
 
 T = TypeVar("T")
 
@@ -93,6 +94,7 @@ class RedisCache:
         self.breaker = breaker if breaker is not None else CircuitBreaker(3, 5.0, clock=clock)
         self._owns_client = owns_client
         self._log = _RateLimitedLog(clock)
+        self._observer: Observer | None = None
 
     @classmethod
     def from_settings(
@@ -130,9 +132,21 @@ class RedisCache:
     def key(self, record_key: bytes) -> str:
         return f"{self.prefix}:{{{record_key.hex()}}}"
 
+    def attach_observer(self, observer: Observer) -> None:
+        """Report lookups, failures and the breaker's state to ``observer``
+        (``observability.attach``), starting with the state it is in now."""
+        self._observer = observer
+        observer.breaker_changed(self.breaker.state.value)
+
     # -- the ResponseCache protocol -------------------------------------------
 
     def get(self, record_key: bytes) -> CachedRecord | None:
+        record = self._get(record_key)
+        if self._observer is not None:
+            self._observer.cache_lookup(record is not None)
+        return record
+
+    def _get(self, record_key: bytes) -> CachedRecord | None:
         key = self.key(record_key)
         value = self._call("GET", record_key, lambda: self._execute("GET", key))
         if value is None:
@@ -198,10 +212,14 @@ class RedisCache:
         handshake), and a cache must never turn an outage into a 500.
         """
         if not self.breaker.allow():
+            if self._observer is not None:
+                self._observer.redis_skipped(command)
             return None
         try:
             result = fn()
         except Exception as exc:
+            if self._observer is not None:
+                self._observer.redis_failed(command)
             if isinstance(exc, _SOCKET_ERRORS):
                 self._drop_idle_connections()
             self._log.warning(
@@ -216,9 +234,13 @@ class RedisCache:
                     "idempotency: redis circuit breaker open; skipping redis for %.1f s",
                     self.breaker.cooldown,
                 )
+                if self._observer is not None:
+                    self._observer.breaker_changed(BreakerState.OPEN.value)
             return None
         if self.breaker.success() is Transition.CLOSED:
             log.info("idempotency: redis answers again; circuit breaker closed")
+            if self._observer is not None:
+                self._observer.breaker_changed(BreakerState.CLOSED.value)
         return result
 
     def _drop_idle_connections(self) -> None:

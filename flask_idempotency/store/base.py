@@ -38,6 +38,12 @@ class Claimed:
     """We own the key: run the view, then complete or release with ``token``."""
 
     token: int
+    #: The recovery points a dead holder of this request committed, in order, as
+    #: ``(name, data)`` pairs: the view resumes after them (``phases.py``).
+    phases: tuple[tuple[str, Any], ...] = ()
+    #: The record was a live one whose holder's lease had run out (not a new or
+    #: expired key): this claim took a dead holder's attempt over.
+    takeover: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +91,20 @@ class RequestTransaction(Protocol):
     """The per-request handle: one pooled connection, claim to completion."""
 
     def claim(
-        self, record_key: bytes, fingerprint: bytes, *, lease: float, ttl: float
+        self,
+        record_key: bytes,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        recovery: bytes | None = None,
     ) -> ClaimResult: ...
 
     def connection(self) -> Any: ...
 
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> float: ...
+
+    def checkpoint(self, record_key: bytes, token: int, phase: str, data_json: str) -> None: ...
 
     def release(self, record_key: bytes, token: int) -> None: ...
 
@@ -100,7 +114,13 @@ class RequestTransaction(Protocol):
 class Store(Protocol):
     """What the extension needs from a durable store."""
 
-    def renew(self, holds: Sequence[LeaseHold]) -> int: ...
+    def renew(self, holds: Sequence[LeaseHold]) -> int:
+        """Renew ``holds`` on a connection that no request holds (the keeper's own)."""
+        ...
+
+    def prepare_renewals(self) -> None:
+        """Open the renewal connection ahead of time (best effort, never raises)."""
+        ...
 
     def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]: ...
 

@@ -5,10 +5,16 @@ under gunicorn a connection inherited from the master must never be used by a
 worker (two processes on one socket corrupt the protocol). This pool waits up
 to a timeout for a free connection, notices a fork by PID and starts afresh,
 and drops connections that come back broken.
+
+Each pool also gives the lease keeper a connection of its own
+(``renewal_connection()``), never one of the request slots: renewals must go on
+while every slot is held by a slow view, or leases would lapse under live
+requests and a duplicate on another worker would take their keys over.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
@@ -20,18 +26,49 @@ import psycopg2
 import psycopg2.extensions
 import psycopg2.pool
 
+from ..observability import Observer
 from .base import StoreUnavailableError
+from .errors import is_unreachable
 
 Connection = psycopg2.extensions.connection
+
+log = logging.getLogger("flask_idempotency.store")
+
+#: Connection parameters added by default (``IDEMPOTENCY_CONNECT_KWARGS`` overrides
+#: each): a peer that vanished is noticed by TCP within seconds, even while a
+#: view's own long statement waits for its answer. Keepalive probes start after
+#: 5 s of silence, every 5 s, 3 unanswered probes close the connection; data left
+#: unacknowledged for 10 s closes it too (``tcp_user_timeout``, libpq 12+).
+TCP_DEFAULTS: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+if psycopg2.extensions.libpq_version() >= 120000:
+    TCP_DEFAULTS["tcp_user_timeout"] = 10_000  # milliseconds
 
 
 class _Pool:
     """What both pools share: a connection borrowed for a ``with`` block."""
 
+    #: Told about checkouts, waits and timeouts once the app is observed
+    #: (``observability.attach``); ``None`` costs one attribute read per call.
+    observer: Observer | None = None
+
     def getconn(self) -> Connection:
         raise NotImplementedError
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
+        raise NotImplementedError
+
+    def renewal_connection(self) -> Connection:
+        """The lease keeper's own autocommit connection, outside the request slots;
+        the same one on every call until ``discard_renewal_connection()``."""
+        raise NotImplementedError
+
+    def discard_renewal_connection(self) -> None:
+        """Drop the keeper's connection after it failed; the next call makes another."""
         raise NotImplementedError
 
     @contextmanager
@@ -40,8 +77,8 @@ class _Pool:
         broken = False
         try:
             yield conn
-        except psycopg2.Error:
-            broken = bool(conn.closed)
+        except psycopg2.Error as exc:
+            broken = is_unreachable(exc, conn)
             raise
         finally:
             self.putconn(conn, discard=broken)
@@ -62,8 +99,16 @@ class ConnectionPool(_Pool):
         self._dsn = dsn
         self._max_size = max_size
         self._timeout = timeout
-        self._connect_kwargs = {"connect_timeout": connect_timeout, **(connect_kwargs or {})}
+        self._connect_kwargs = {
+            "connect_timeout": connect_timeout,
+            **TCP_DEFAULTS,
+            **(connect_kwargs or {}),
+        }
         self._reset()
+
+    @property
+    def max_size(self) -> int:
+        return self._max_size
 
     def _reset(self) -> None:
         # After a fork the inherited idle connections are forgotten, not closed:
@@ -72,6 +117,9 @@ class ConnectionPool(_Pool):
         self._idle: deque[Connection] = deque()
         self._slots = threading.BoundedSemaphore(self._max_size)
         self._lock = threading.Lock()
+        self._renewal: Connection | None = None
+        self._renewal_lock = threading.Lock()
+        self._warned_wait = False
 
     def _check_fork(self) -> None:
         if self._pid != os.getpid():
@@ -79,14 +127,21 @@ class ConnectionPool(_Pool):
 
     def getconn(self) -> Connection:
         self._check_fork()
-        if not self._slots.acquire(timeout=self._timeout):
-            raise StoreUnavailableError("no free database connection in the pool")
+        observer = self.observer
+        if not self._slots.acquire(blocking=False):
+            self._warn_wait()
+            if not self._wait_for_slot(observer):
+                if observer is not None:
+                    observer.pool_timeout()
+                raise StoreUnavailableError("no free database connection in the pool")
         try:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
                 conn = psycopg2.connect(self._dsn, **self._connect_kwargs)
             conn.autocommit = True
+            if observer is not None:
+                observer.pool_checkout()
             return conn
         except psycopg2.Error as exc:
             self._slots.release()
@@ -96,6 +151,49 @@ class ConnectionPool(_Pool):
         except BaseException:
             self._slots.release()
             raise
+
+    def _wait_for_slot(self, observer: Observer | None) -> bool:
+        if observer is None:
+            return self._slots.acquire(timeout=self._timeout)
+        observer.pool_waiting(1)
+        try:
+            return self._slots.acquire(timeout=self._timeout)
+        finally:
+            observer.pool_waiting(-1)
+
+    def _warn_wait(self) -> None:
+        if self._warned_wait:
+            return
+        self._warned_wait = True
+        log.warning(
+            "idempotency: a request waited for a database connection: all %d of "
+            "IDEMPOTENCY_POOL_SIZE are in use. Each in-flight idempotent request holds "
+            "one until it completes; size the pool to at least the worker's threads "
+            "(requests answer 503 after IDEMPOTENCY_POOL_TIMEOUT). Logged once per process.",
+            self._max_size,
+        )
+
+    def renewal_connection(self) -> Connection:
+        self._check_fork()
+        with self._renewal_lock:
+            conn = self._renewal
+            if conn is None or conn.closed:
+                try:
+                    conn = psycopg2.connect(self._dsn, **self._connect_kwargs)
+                except psycopg2.Error as exc:
+                    raise StoreUnavailableError(
+                        f"cannot connect to PostgreSQL: {type(exc).__name__}"
+                    ) from exc
+                conn.autocommit = True
+                self._renewal = conn
+            return conn
+
+    def discard_renewal_connection(self) -> None:
+        self._check_fork()
+        with self._renewal_lock:
+            conn, self._renewal = self._renewal, None
+        if conn is not None:
+            _close_quietly(conn)
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
         if self._pid != os.getpid():
@@ -112,6 +210,8 @@ class ConnectionPool(_Pool):
             pass
         finally:
             self._slots.release()
+            if self.observer is not None:
+                self.observer.pool_checkin()
         _close_quietly(conn)
 
     def discard_idle(self) -> None:
@@ -125,38 +225,112 @@ class ConnectionPool(_Pool):
 
     def close(self) -> None:
         self.discard_idle()
+        self.discard_renewal_connection()
 
 
 class BorrowedPool(_Pool):
-    """Adapts an application's own ``psycopg2.pool`` to the interface above."""
+    """Adapts an application's own ``psycopg2.pool`` to the interface above.
+
+    Connections go back exactly as they were lent: the extension works in
+    autocommit mode and restores the connection's own ``autocommit`` flag (its
+    ``SET LOCAL`` settings end with their transactions). The one trace it leaves
+    is the prepared claim, ``idempotency_claim``, when
+    ``IDEMPOTENCY_PREPARE_STATEMENTS`` is on; an application that runs
+    ``DEALLOCATE ALL`` or ``DISCARD ALL`` is fine, the claim is prepared again.
+
+    The lease keeper keeps one connection of the application's pool for itself
+    (taken when its thread starts, at the process's first claim; given back by
+    ``close()``), so give that pool one connection more: renewals must not
+    wait behind in-flight requests, and psycopg2's pools do not wait at all.
+    """
 
     def __init__(self, pool: psycopg2.pool.AbstractConnectionPool) -> None:
         self._pool = pool
+        #: Connections lent to the extension -> their own ``autocommit`` flag.
+        self._lent: dict[Connection, bool] = {}
+        self._renewal: Connection | None = None
+        self._renewal_pid = -1
+        self._renewal_lock = threading.Lock()
 
-    def getconn(self) -> Connection:
+    def _borrow(self) -> Connection:
         try:
             conn: Connection = self._pool.getconn()
         except psycopg2.Error as exc:
             raise StoreUnavailableError(
                 f"cannot connect to PostgreSQL: {type(exc).__name__}"
             ) from exc
-        conn.autocommit = True
+        try:
+            self._lent[conn] = bool(conn.autocommit)
+            conn.autocommit = True
+        except psycopg2.Error as exc:
+            self._give_back(conn, discard=True)
+            raise StoreUnavailableError(
+                f"unusable pooled connection: {type(exc).__name__}"
+            ) from exc
         return conn
 
-    def putconn(self, conn: Connection, *, discard: bool = False) -> None:
+    def _give_back(self, conn: Connection, *, discard: bool) -> None:
+        autocommit = self._lent.pop(conn, None)
         if not discard and not conn.closed:
             try:
                 if conn.info.transaction_status != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
                     _rollback_raw(conn)
+                if autocommit is not None:
+                    conn.autocommit = autocommit
             except psycopg2.Error:
                 discard = True
         self._pool.putconn(conn, close=discard or bool(conn.closed))
+
+    def getconn(self) -> Connection:
+        try:
+            conn = self._borrow()
+        except StoreUnavailableError as exc:
+            # psycopg2's pools do not wait: an exhausted one refuses at once.
+            if self.observer is not None and isinstance(exc.__cause__, psycopg2.pool.PoolError):
+                self.observer.pool_timeout()
+            raise
+        if self.observer is not None:
+            self.observer.pool_checkout()
+        return conn
+
+    def putconn(self, conn: Connection, *, discard: bool = False) -> None:
+        try:
+            self._give_back(conn, discard=discard)
+        finally:
+            if self.observer is not None:
+                self.observer.pool_checkin()
+
+    def renewal_connection(self) -> Connection:
+        with self._renewal_lock:
+            if self._renewal_pid != os.getpid():
+                self._renewal = None  # the parent's; its pool's copy is not ours to return
+                self._renewal_pid = os.getpid()
+            conn = self._renewal
+            if conn is not None and conn.closed:
+                self._give_back(conn, discard=True)
+                conn = self._renewal = None
+            if conn is None:
+                conn = self._renewal = self._borrow()
+            return conn
+
+    def discard_renewal_connection(self) -> None:
+        with self._renewal_lock:
+            conn, self._renewal = self._renewal, None
+            if conn is not None and self._renewal_pid == os.getpid():
+                self._give_back(conn, discard=True)
 
     def discard_idle(self) -> None:
         """The borrowed pool's idle connections are the application's to manage."""
 
     def close(self) -> None:
-        """The application owns the pool's lifetime."""
+        """Give back the keeper's connection; the application owns the pool's lifetime."""
+        with self._renewal_lock:
+            conn, self._renewal = self._renewal, None
+            if conn is not None and self._renewal_pid == os.getpid():
+                try:
+                    self._give_back(conn, discard=bool(conn.closed))
+                except psycopg2.pool.PoolError:
+                    _close_quietly(conn)  # the application closed its pool first
 
 
 def _rollback_raw(conn: Connection) -> None:

@@ -1,0 +1,435 @@
+"""The completer: finish attempts whose holder died, without waiting for a client.
+
+A worker that dies after a payment processor charged but before its commit
+leaves a ``processing`` record and no business row. A retry would take the
+record over and the processor would replay the payment; when no retry ever
+comes (a phone that lost signal, a batch job that crashed), this module is
+what records it. It is the completer of Brandur Leach's rocket-rides-atomic
+and of Stripe's idempotency design:
+
+* a route declares ``recover=f`` (and, if its recovery needs more than the
+  request, ``recovery_data=g``); the claim of such a route stores the request
+  and ``g(request)`` with the record, in the claim statement itself
+  (``recovery.capture``), and the completion drops them;
+* ``flask idempotency recover`` (:class:`Recoverer`) takes abandoned records
+  over a batch at a time (``FOR UPDATE SKIP LOCKED``, then a new lock token and
+  lease, committed at once), and for each runs ``f`` in a request context
+  rebuilt from the stored request, with ``idempotency.connection()``,
+  ``derived_key()``, ``emit()`` and ``phase()`` bound to the record as in the
+  view, under the new token;
+* what ``f`` returns settles the record: an answer to store is stored in the
+  transaction that holds ``f``'s writes (``idempotency_complete``, fenced by the
+  token); ``None`` ("nothing happened") releases it, so a later retry runs
+  afresh; a 5xx or an exception means "cannot tell yet": the record is handed
+  back, abandoned again, for the next run.
+
+Fencing makes races harmless: a client's retry that took the record first
+leaves it out of the batch (its lease is live); one that comes after the
+takeover gets ``409`` and then the recovered answer; a second completer skips
+locked rows and re-checks the lease under the row lock; and a completer that
+stalls past its own lease has its completion refused like any old holder's.
+
+Recovery needs row mode: under ``IDEMPOTENCY_CLAIM_MODE = "transaction"`` a
+dead attempt leaves no record, so the command refuses to run.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from flask import Flask, Response, g
+from werkzeug.exceptions import HTTPException
+
+from . import flow, keys, responses
+from .errors import LeaseLost, StoreUnavailable
+from .recovery import Abandoned, recoverable_routes
+from .route_options import EffectiveOptions, RouteOptions
+from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError
+from .store.postgres import PostgresRequest, new_token
+
+if TYPE_CHECKING:
+    from .extension import RequestState
+
+log = logging.getLogger("flask_idempotency.recovery")
+
+#: A record whose lease ended less than this many seconds ago is left to its
+#: client for a while: a retry usually comes within seconds, and it replays the
+#: processor's answer itself, with no lookup. ``--older-than`` changes it.
+DEFAULT_OLDER_THAN = 60.0
+#: Records taken over per statement. Each waits its turn with a live lease (the
+#: keeper renews it), during which a retry of it gets ``409``: keep it small.
+DEFAULT_BATCH_SIZE = 20
+#: Seconds between passes when the command runs as a loop.
+DEFAULT_INTERVAL = 10.0
+
+#: The pass's horizon, on the server's clock: records abandoned before it.
+PASS_CUTOFF = "SELECT now() - make_interval(secs => %s)"
+
+#: Take a batch of abandoned records over: each gets one of our lock tokens and a
+#: fresh lease, committed at once, so a client's retry now gets ``409`` and any
+#: late completion of the dead holder is refused. ``SKIP LOCKED``: completers
+#: running side by side take disjoint batches, and the lease is checked again
+#: under the row lock, so a record a client's retry just took is left alone.
+TAKE_OVER = """
+WITH candidates AS (
+    SELECT record_key, lease_expires_at FROM idempotency_records
+     WHERE state = 'processing' AND recovery IS NOT NULL
+       AND lease_expires_at <= %(cutoff)s AND expires_at > now()
+     ORDER BY lease_expires_at
+     LIMIT %(limit)s
+     FOR UPDATE SKIP LOCKED
+), numbered AS (
+    SELECT record_key, lease_expires_at, row_number() OVER () AS n FROM candidates
+)
+UPDATE idempotency_records AS r
+   SET lock_token = (%(tokens)s::bigint[])[numbered.n],
+       lease_expires_at = now() + make_interval(secs => %(lease)s),
+       expires_at = greatest(r.expires_at, now() + make_interval(secs => %(lease)s)),
+       takeovers = r.takeovers + 1
+  FROM numbered
+ WHERE r.record_key = numbered.record_key
+   AND r.state = 'processing' AND r.lease_expires_at <= now()
+RETURNING r.record_key, r.fingerprint, r.lock_token, r.recovery, r.phases,
+          extract(epoch FROM now() - numbered.lease_expires_at)::float8
+"""
+#: "Cannot tell yet": the record is abandoned again at once, for the next pass
+#: (or a client's retry, which may now take it over without waiting).
+HAND_BACK = """
+UPDATE idempotency_records SET lock_token = NULL, lease_expires_at = now()
+ WHERE record_key = %s AND lock_token = %s AND state = 'processing'
+"""
+#: "Nothing happened": the record goes, so a later retry runs afresh.
+RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
+#: "Nothing happened" after committed recovery points: their writes stand, so the
+#: record stays for a client's retry to resume, and the completer stops trying it.
+RELEASE_TO_CLIENT = """
+UPDATE idempotency_records SET lock_token = NULL, lease_expires_at = now(), recovery = NULL
+ WHERE record_key = %s AND lock_token = %s AND state = 'processing'
+"""
+BUMP_TOTAL = """
+INSERT INTO idempotency_recovery_totals AS t (outcome, total, last_at)
+VALUES (%s, 1, now())
+ON CONFLICT (outcome) DO UPDATE SET total = t.total + 1, last_at = now()
+"""
+#: ``flask idempotency stats``: abandoned records now, and the completer's totals.
+STATS = """
+SELECT count(*), count(*) FILTER (WHERE recovery IS NOT NULL),
+       coalesce(max(extract(epoch FROM now() - lease_expires_at)), 0)::float8,
+       (SELECT coalesce(sum(total) FILTER (WHERE outcome = 'recovered'), 0)
+          FROM idempotency_recovery_totals),
+       (SELECT coalesce(sum(total) FILTER (WHERE outcome = 'released'), 0)
+          FROM idempotency_recovery_totals)
+  FROM idempotency_records
+ WHERE state = 'processing' AND lease_expires_at <= now() AND expires_at > now()
+"""
+
+
+class Outcome(enum.Enum):
+    RECOVERED = "recovered"  # the answer is stored, with the recovery's writes
+    RELEASED = "released"  # nothing happened: a later retry runs afresh
+    DEFERRED = "deferred"  # cannot tell yet: abandoned again for the next pass
+    FENCED = "fenced"  # someone else holds the record now: nothing of ours kept
+    SKIPPED = "skipped"  # no route of this app can recover it (handed back)
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    record_key: bytes
+    fingerprint: bytes
+    token: int
+    recovery: bytes
+    phases: tuple[tuple[str, Any], ...]
+    abandoned_seconds: float
+
+
+class Recoverer:
+    """Runs the routes' ``recover=`` functions over abandoned records of one app."""
+
+    def __init__(
+        self,
+        app: Flask,
+        *,
+        older_than: float = DEFAULT_OLDER_THAN,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> None:
+        from .extension import _app_state
+
+        if older_than < 0 or batch_size < 1:
+            raise ValueError("older_than must be >= 0 and batch_size >= 1")
+        self.app = app
+        self.state = _app_state(app)
+        if self.state.settings.claim_mode != "row":
+            raise RuntimeError(
+                "recovery needs IDEMPOTENCY_CLAIM_MODE = 'row': under "
+                f"{self.state.settings.claim_mode!r} a dead attempt leaves no record to recover"
+            )
+        self.routes = recoverable_routes(app)
+        self.older_than = older_than
+        self.batch_size = batch_size
+        self.lease = self.state.settings.lease
+        #: Every outcome so far, over all passes.
+        self.totals: collections.Counter[Outcome] = collections.Counter()
+
+    def run(
+        self, stop: threading.Event, *, once: bool = False, interval: float = DEFAULT_INTERVAL
+    ) -> collections.Counter[Outcome]:
+        """Passes until ``stop`` is set (or one, with ``once``). An outage ends a
+        ``once`` run with ``StoreUnavailableError``; a loop logs it and waits."""
+        while True:
+            try:
+                outcomes = self.run_pass(stop)
+            except StoreUnavailableError as exc:
+                if once:
+                    raise
+                log.warning("idempotency recover: store unavailable: %s", exc)
+            else:
+                if outcomes and not once:
+                    log.info("idempotency recover: %s", describe(outcomes))
+            if once or stop.wait(interval):
+                return self.totals
+
+    def run_pass(self, stop: threading.Event | None = None) -> collections.Counter[Outcome]:
+        """Recover every record abandoned before the pass began; a record handed
+        back during the pass waits for the next one."""
+        outcomes: collections.Counter[Outcome] = collections.Counter()
+        with self.state.store.transaction() as conn, conn.cursor() as cur:
+            cur.execute(PASS_CUTOFF, (self.older_than,))
+            row = cur.fetchone()
+        assert row is not None
+        cutoff = row[0]
+        while stop is None or not stop.is_set():
+            batch = self._take_over(cutoff)
+            for index, taken in enumerate(batch):
+                if stop is not None and stop.is_set():
+                    # Interrupted: the rest are abandoned again, for the next run.
+                    for rest in batch[index:]:
+                        self._hand_back(rest)
+                    break
+                outcome = self.recover(taken)
+                outcomes[outcome] += 1
+                self.totals[outcome] += 1
+            if len(batch) < self.batch_size:
+                break
+        return outcomes
+
+    def _take_over(self, cutoff: Any) -> list[Taken]:
+        params = {
+            "cutoff": cutoff,
+            "limit": self.batch_size,
+            "tokens": [new_token() for _ in range(self.batch_size)],
+            "lease": self.lease,
+        }
+        with self.state.store.transaction() as conn, conn.cursor() as cur:
+            cur.execute(self.state.store.timeouts + TAKE_OVER, params)
+            rows = cur.fetchall()
+        taken = [
+            Taken(
+                record_key=bytes(r[0]),
+                fingerprint=bytes(r[1]),
+                token=int(r[2]),
+                recovery=bytes(r[3]),
+                phases=tuple((str(name), data) for name, data in r[4] or ()),
+                abandoned_seconds=max(0.0, float(r[5])),
+            )
+            for r in rows
+        ]
+        for item in taken:
+            self.state.keeper.hold(LeaseHold(item.record_key, item.token, self.lease))
+            self.state.metrics.inc("abandoned")
+        return taken
+
+    def recover(self, taken: Taken) -> Outcome:
+        """Run the route's recovery for one record we took over; settle it."""
+        label = keys.log_key(taken.record_key)
+        try:
+            outcome = self._recover(taken, label)
+        except StoreUnavailableError as exc:
+            log.warning("idempotency recover: store unavailable for key %s: %s", label, exc)
+            outcome = Outcome.DEFERRED
+        finally:
+            self.state.keeper.drop(taken.record_key, taken.token)
+        self.state.metrics.inc(_METRIC[outcome])
+        return outcome
+
+    def _recover(self, taken: Taken, label: str) -> Outcome:
+        phases = dict(taken.phases)  # the request's own, which phase() adds to
+        try:
+            attempt = Abandoned.from_payload(
+                taken.recovery, taken.record_key, dict(taken.phases), taken.abandoned_seconds
+            )
+        except ValueError as exc:
+            log.error("idempotency recover: key %s: %s; handed back", label, exc)
+            return self._hand_back(taken, Outcome.SKIPPED)
+        options = self.routes.get(attempt.endpoint)
+        if options is None or options.recover is None:
+            log.error(
+                "idempotency recover: key %s: endpoint %r declares no recover= in this app; "
+                "handed back",
+                label,
+                attempt.endpoint,
+            )
+            return self._hand_back(taken, Outcome.SKIPPED)
+        tx = self.state.store.begin()
+        tx.has_progress = bool(phases)
+        try:
+            with self._bound(attempt, options, taken, tx, phases) as ctx:
+                try:
+                    value = options.recover(attempt)
+                    response = None if value is None else self.app.make_response(value)
+                except LeaseLost:
+                    tx.rollback()
+                    return Outcome.FENCED
+                except (StoreUnavailable, StoreUnavailableError) as exc:
+                    log.warning("idempotency recover: key %s: store unavailable: %s", label, exc)
+                    tx.rollback()
+                    return self._hand_back(taken, Outcome.DEFERRED)
+                except HTTPException as exc:
+                    # Raised as the view would have (a 400 for a body it refuses): a 4xx
+                    # means the request was never acted on; a 5xx, that it cannot tell.
+                    tx.rollback()
+                    if exc.code is not None and exc.code < 500:
+                        return self._release(taken)
+                    return self._hand_back(taken, Outcome.DEFERRED)
+                except Exception as exc:
+                    log.warning(
+                        "idempotency recover: key %s: recover=%s raised %s; handed back",
+                        label,
+                        getattr(options.recover, "__qualname__", "?"),
+                        type(exc).__name__,
+                    )
+                    tx.rollback()
+                    return self._hand_back(taken, Outcome.DEFERRED)
+                finally:
+                    g.pop("_idempotency", None)  # our after_request must not settle it
+                if response is None:
+                    tx.rollback()
+                    return self._release(taken)
+                response = self.app.process_response(response)
+                return self._settle(taken, label, ctx.route, tx, response)
+        finally:
+            tx.close()
+
+    @contextmanager
+    def _bound(
+        self,
+        attempt: Abandoned,
+        options: RouteOptions,
+        taken: Taken,
+        tx: PostgresRequest,
+        phases: dict[str, Any],
+    ) -> Iterator[RequestState]:
+        """A fresh app context and the rebuilt request, with the record bound on ``g``
+        as the view had it: ``connection()``, ``emit()`` and ``phase()`` work."""
+        from .extension import RequestState
+
+        route = self.state.options_for(options)
+        with self.app.app_context(), self.app.request_context(attempt.environ()):
+            ctx = RequestState(self.state, taken.record_key, taken.fingerprint, route)
+            ctx.tx, ctx.token, ctx.phases = tx, taken.token, phases
+            g._idempotency = ctx
+            try:
+                yield ctx
+            finally:
+                g.pop("_idempotency", None)  # the teardown must not release it
+
+    def _settle(
+        self,
+        taken: Taken,
+        label: str,
+        route: EffectiveOptions,
+        tx: PostgresRequest,
+        response: Response,
+    ) -> Outcome:
+        settings = self.state.settings
+        try:
+            stored = responses.capture(
+                response, settings.max_stored_body, omit_oversize=route.oversize == "omit_body"
+            )
+        except responses.NotStorable:
+            log.error("idempotency recover: key %s: answer too large to store; handed back", label)
+            tx.rollback()
+            return self._hand_back(taken, Outcome.DEFERRED)
+        finally:
+            response.close()
+        if stored.status >= 500:
+            # The recovery could not tell (its processor is down, say). A client would
+            # retry a 5xx; here the next pass does, so the record is handed back.
+            tx.rollback()
+            return self._hand_back(taken, Outcome.DEFERRED)
+        settlement = flow.settle(
+            stored.status, len(stored.body), route.should_store, settings.max_stored_body
+        )
+        if settlement is flow.Settlement.RELEASE:
+            tx.rollback()
+            return self._release(taken)
+        if settlement is flow.Settlement.TOO_LARGE:
+            tx.rollback()
+            return self._hand_back(taken, Outcome.DEFERRED)
+        conn = tx.connection()
+        with conn.cursor() as cur:
+            cur.execute(BUMP_TOTAL, (Outcome.RECOVERED.value,))
+        try:
+            tx.complete(taken.record_key, taken.token, stored)
+        except LeaseLostError:
+            log.warning("idempotency recover: key %s: taken over meanwhile; rolled back", label)
+            return Outcome.FENCED
+        log.info("idempotency recover: key %s recovered (%d)", label, stored.status)
+        return Outcome.RECOVERED
+
+    def _release(self, taken: Taken) -> Outcome:
+        statement = RELEASE_TO_CLIENT if taken.phases else RELEASE
+        with self.state.store.transaction() as conn, conn.cursor() as cur:
+            cur.execute(statement, (taken.record_key, taken.token))
+            if cur.rowcount != 1:
+                return Outcome.FENCED
+            cur.execute(BUMP_TOTAL, (Outcome.RELEASED.value,))
+        log.info("idempotency recover: key %s released", keys.log_key(taken.record_key))
+        return Outcome.RELEASED
+
+    def _hand_back(self, taken: Taken, outcome: Outcome = Outcome.DEFERRED) -> Outcome:
+        self.state.keeper.drop(taken.record_key, taken.token)
+        with self.state.store.transaction() as conn, conn.cursor() as cur:
+            cur.execute(HAND_BACK, (taken.record_key, taken.token))
+            if cur.rowcount != 1:
+                return Outcome.FENCED
+        return outcome
+
+
+#: Per-process counters (``idempotency.metrics()``) of the completer's outcomes.
+_METRIC = {
+    Outcome.RECOVERED: "recovered",
+    Outcome.RELEASED: "recovery_released",
+    Outcome.DEFERRED: "recovery_deferred",
+    Outcome.FENCED: "recovery_fenced",
+    Outcome.SKIPPED: "recovery_skipped",
+}
+
+
+def describe(outcomes: Mapping[Outcome, int]) -> str:
+    """``recovered 3, released 1, deferred 0, fenced 0, skipped 0``."""
+    return ", ".join(f"{o.value} {outcomes.get(o, 0)}" for o in Outcome)
+
+
+def stats(store: Any) -> dict[str, float]:
+    """Abandoned records now (``abandoned``: processing, lease ended, not taken over;
+    ``recoverable``: those of ``recover=`` routes; how long the oldest has waited)
+    and the completer's totals (``recovered``, ``recovery_released``)."""
+    with store.transaction() as conn, conn.cursor() as cur:
+        cur.execute(STATS)
+        row = cur.fetchone()
+    assert row is not None
+    names = (
+        "abandoned",
+        "recoverable",
+        "oldest_abandoned_seconds",
+        "recovered",
+        "recovery_released",
+    )
+    return {name: float(value) for name, value in zip(names, row, strict=True)}

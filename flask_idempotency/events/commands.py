@@ -1,0 +1,83 @@
+"""``flask idempotency relay``: a thin command over :class:`~.relay.Relay`."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+import click
+from flask import current_app
+from flask.cli import with_appcontext
+
+from ..store.base import StoreUnavailableError
+from .amqp import BrokerUnavailable, Publisher, redact
+from .relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, Relay
+
+
+@click.command()
+@with_appcontext
+@click.option("--once", is_flag=True, help="Publish what is pending, then exit (cron, tests).")
+@click.option(
+    "--broker-url", default=None, help="Broker URL; default: the app's IDEMPOTENCY_BROKER_URL."
+)
+@click.option(
+    "--exchange", default=None, help="Exchange; default: the app's IDEMPOTENCY_EVENTS_EXCHANGE."
+)
+@click.option(
+    "--batch-size",
+    default=DEFAULT_BATCH_SIZE,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Events per transaction.",
+)
+@click.option(
+    "--poll-interval",
+    default=DEFAULT_POLL_INTERVAL,
+    show_default=True,
+    type=click.FloatRange(min=0.01),
+    help="Seconds between looks at an empty outbox.",
+)
+def relay(
+    once: bool,
+    broker_url: str | None,
+    exchange: str | None,
+    batch_size: int,
+    poll_interval: float,
+) -> None:
+    """Publish pending events to the broker, with confirms, and mark them published.
+
+    Runs until SIGTERM or Ctrl-C (finishing its batch), waiting out broker and
+    database outages with backoff; several may run at once. With --once it
+    publishes what is pending and exits, non-zero if the broker or database is
+    unreachable.
+    """
+    try:
+        state: Any = current_app.extensions["idempotency"]
+    except KeyError:
+        raise click.ClickException("flask_idempotency is not initialised on this app") from None
+    url = broker_url or state.settings.broker_url
+    if not url:
+        raise click.ClickException("no broker: set IDEMPOTENCY_BROKER_URL or give --broker-url")
+    if url.startswith("memory:"):
+        raise click.ClickException(
+            "memory:// lives in one process: nothing else could consume it "
+            "(without a broker, run flask_idempotency.events.EmbeddedEvents instead)"
+        )
+    exchange = exchange or state.settings.events_exchange
+    worker = Relay(
+        state.store,
+        Publisher(url, exchange),
+        batch_size=batch_size,
+        poll_interval=poll_interval,
+    )
+    stop = threading.Event()
+    if not once and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+    click.echo(f"relaying events to {redact(url)} exchange {exchange!r}", err=True)
+    try:
+        stats = worker.run(stop, once=once)
+    except (BrokerUnavailable, StoreUnavailableError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{stats.published} event(s) published, {stats.deferred} deferred")

@@ -1,0 +1,418 @@
+"""The consumer guard: a message handler that runs once in effect per message.
+
+Brokers deliver at least once, and a consumer may die between its work and its
+acknowledgement. ``@idempotency.consumer(name)`` gives a handler the HTTP
+route's semantics, on the same table and statements:
+
+* the message's key (its message id by default) is claimed in
+  ``idempotency_records`` under the scope ``consumer:<name>``, with a lease the
+  process's lease keeper renews while the handler runs;
+* the handler runs with ``idempotency.connection()`` inside the transaction
+  that also records the completion (``idempotency_complete``, fenced by the
+  claim's token), so its writes and "done" commit together or not at all; it
+  may ``emit()`` follow-up events in that transaction too;
+* the transport acknowledges only after that commit.
+
+What :meth:`ConsumerGuard.handle` answers, and what the transport does:
+
+============================  ==========================================  =============
+situation                     outcome                                     transport
+============================  ==========================================  =============
+handler ran and committed     ``HANDLED``                                 ack
+completed before (redelivery  ``DUPLICATE``: handler not run              ack
+or a re-publish)
+claim held by a live consumer ``BUSY``: ``delay`` = until its lease ends  requeue later
+our lease was taken over      ``FENCED``: our transaction rolled back     ack (the new
+(we stalled past it)                                                      holder has it)
+handler raised                ``RETRY`` after a backoff ``delay``          requeue later
+handler raised the N-th time  ``DEAD_LETTERED``: copied to the dead-      ack
+                              letter queue, record released
+another message under the     ``DEAD_LETTERED`` (``key_reused``)           ack
+same key, or no key
+PostgreSQL unreachable        ``RETRY`` (not counted as an attempt)       requeue later
+============================  ==========================================  =============
+
+Attempts are counted in PostgreSQL, not in the message: a failed attempt ends
+its lease at once and keeps the record, so the next delivery takes it over and
+the record's ``takeovers`` grows by one; a consumer that died mid-handler is
+taken over when its lease runs out, and counts the same way. A message that
+crashes its consumer every time therefore reaches the dead-letter queue too.
+A dead-lettered message's record is released: replayed from the dead-letter
+queue after a fix, it runs again from its first attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+from flask import Flask, current_app, g
+
+from .. import flow, keys
+from ..store.base import LeaseHold, LeaseLostError, StoredResponse, StoreUnavailableError
+
+log = logging.getLogger("flask_idempotency.events")
+
+#: What a consumer's completed record stores: there is no answer to replay, only
+#: the fact that the message was handled.
+HANDLED_RECORD = StoredResponse(200, (), b"")
+
+#: Counts the failed attempt (its lease ends now, the record stays, so the next
+#: delivery takes it over and ``takeovers`` grows) and says how many came before.
+FAIL_ATTEMPT = """
+UPDATE idempotency_records
+   SET lease_expires_at = now(), lock_token = NULL
+ WHERE record_key = %s AND lock_token = %s AND state = 'processing'
+RETURNING takeovers
+"""
+ATTEMPTS_SO_FAR = """
+SELECT takeovers FROM idempotency_records
+ WHERE record_key = %s AND lock_token = %s AND state = 'processing'
+"""
+RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
+
+
+class Outcome(enum.Enum):
+    HANDLED = "handled"
+    DUPLICATE = "duplicate"
+    BUSY = "busy"
+    FENCED = "fenced"
+    RETRY = "retry"
+    DEAD_LETTERED = "dead_lettered"
+
+    @property
+    def acknowledge(self) -> bool:
+        """Whether the transport acknowledges the delivery (else: requeue after ``delay``)."""
+        return self not in (Outcome.BUSY, Outcome.RETRY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    outcome: Outcome
+    #: Seconds before the delivery is requeued (``BUSY`` and ``RETRY``).
+    delay: float = 0.0
+    #: Why it was dead-lettered or retried (``handler_failed``, ``key_reused``, ...).
+    reason: str | None = None
+    #: Attempts of this message so far, this one included (when the handler ran).
+    attempts: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """One message as a handler sees it, whatever the transport."""
+
+    #: The message id (the event id for events from the relay).
+    id: str | None
+    #: The event type (the AMQP ``type`` property, or the envelope's ``type``).
+    type: str | None
+    #: The event's data (the envelope's ``data``), else the whole decoded body.
+    payload: Any
+    #: The emitting record's derived key (``keys.derived_key(record, "events")``).
+    derived_key: str | None = None
+    headers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    redelivered: bool = False
+    #: The decoded body as received (the whole envelope for relay events).
+    body: Any = None
+
+    @classmethod
+    def from_body(
+        cls,
+        body: Any,
+        *,
+        message_id: str | None = None,
+        type: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        redelivered: bool = False,
+    ) -> Delivery:
+        """From a decoded body; a relay envelope (``{"id", "type", "data", ...}``) is
+        unwrapped, and its id is the fallback message id."""
+        payload = body
+        derived = None
+        if isinstance(body, dict) and "data" in body and "id" in body:
+            payload = body["data"]
+            derived = body.get("derived_key")
+            message_id = message_id or str(body["id"])
+            type = type or body.get("type")
+        return cls(
+            id=message_id,
+            type=type,
+            payload=payload,
+            derived_key=derived,
+            headers=dict(headers or {}),
+            redelivered=redelivered,
+            body=body,
+        )
+
+    def fingerprint(self) -> bytes:
+        """What "the same message" means: its canonical JSON body (a re-publish of
+        the same event is identical; another message under a reused id is not)."""
+        try:
+            canonical = json.dumps(self.body, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError):
+            canonical = repr(self.body)
+        return hashlib.sha256(canonical.encode("utf-8", "surrogateescape")).digest()
+
+
+Handler = Callable[[Delivery], Any]
+KeyFunc = Callable[[Delivery], str | None]
+#: Copies a message to the dead-letter queue (confirmed); raising means it was not.
+DeadLetter = Callable[[Delivery, Result, str], None]
+
+
+def message_id_key(delivery: Delivery) -> str | None:
+    return delivery.id
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerOptions:
+    name: str
+    key: KeyFunc = message_id_key
+    #: Attempts before a failing message is dead-lettered (the N of the README).
+    max_attempts: int = 5
+    #: ``None``: the app's ``IDEMPOTENCY_LEASE`` / ``IDEMPOTENCY_TTL``.
+    lease: float | None = None
+    ttl: float | None = None
+    #: Backoff after a failed attempt: ``retry_delay * 2**(attempt - 1)``, capped.
+    retry_delay: float = 1.0
+    max_retry_delay: float = 60.0
+    #: Longest wait before a delivery held by another consumer is tried again.
+    busy_delay: float = 1.0
+
+
+def _seconds(name: str, value: float | timedelta | None) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0:
+        raise ValueError(f"idempotency consumer option {name}= must be positive, got {value!r}")
+    return seconds
+
+
+def consumer_options(
+    name: str,
+    *,
+    key: KeyFunc | None,
+    max_attempts: int,
+    lease: float | timedelta | None,
+    ttl: float | timedelta | None,
+    retry_delay: float | timedelta,
+    max_retry_delay: float | timedelta,
+    busy_delay: float | timedelta,
+) -> ConsumerOptions:
+    if not name or not isinstance(name, str):
+        raise ValueError("an idempotency consumer needs a name (it scopes its records)")
+    if key is not None and not callable(key):
+        raise ValueError("idempotency consumer option key= must be callable")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ValueError("idempotency consumer option max_attempts= must be an integer >= 1")
+    return ConsumerOptions(
+        name=name,
+        key=key or message_id_key,
+        max_attempts=max_attempts,
+        lease=_seconds("lease", lease),
+        ttl=_seconds("ttl", ttl),
+        retry_delay=_seconds("retry_delay", retry_delay) or 1.0,
+        max_retry_delay=_seconds("max_retry_delay", max_retry_delay) or 60.0,
+        busy_delay=_seconds("busy_delay", busy_delay) or 1.0,
+    )
+
+
+class ConsumerGuard:
+    """A handler wrapped by ``@idempotency.consumer(name)``.
+
+    Call :meth:`handle` with a :class:`Delivery` (any transport: a kombu or pika
+    callback, a Celery task) inside the app's context, or give ``app=``; act on
+    the :class:`Result`. ``flask_idempotency.events.amqp.ConsumerWorker`` does
+    that for kombu. Calling the guard itself runs the bare handler (tests).
+    """
+
+    def __init__(self, handler: Handler, options: ConsumerOptions) -> None:
+        self.handler = handler
+        self.options = options
+        self.scope = f"consumer:{options.name}"
+        self.__name__ = getattr(handler, "__name__", options.name)
+        self.__doc__ = getattr(handler, "__doc__", None)
+
+    def __call__(self, delivery: Delivery) -> Any:
+        return self.handler(delivery)
+
+    def record_key(self, key: str) -> bytes:
+        if not key.isascii():
+            key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        return keys.record_key(self.scope, key)
+
+    def retry_delay(self, attempts: int) -> float:
+        exponent = min(max(attempts - 1, 0), 30)
+        return float(min(self.options.max_retry_delay, self.options.retry_delay * 2**exponent))
+
+    def handle(
+        self,
+        delivery: Delivery,
+        *,
+        app: Flask | None = None,
+        dead_letter: DeadLetter | None = None,
+    ) -> Result:
+        """Run the handler once in effect for ``delivery``; see the module's table.
+
+        ``dead_letter`` copies the message to the dead-letter queue while this
+        consumer still holds its claim; without one, a ``DEAD_LETTERED`` result
+        leaves that to the caller (a Celery task rejects the message into its
+        queue's dead-letter exchange, say).
+        """
+        app = app if app is not None else current_app._get_current_object()  # type: ignore[attr-defined]
+        # A fresh app context: ``g`` (and so ``connection()``) belongs to this message.
+        with app.app_context():
+            return self._handle(app, delivery, dead_letter)
+
+    def _handle(self, app: Flask, delivery: Delivery, dead_letter: DeadLetter | None) -> Result:
+        from ..extension import RequestState, _app_state
+        from ..route_options import route_options
+
+        state = _app_state(app)
+        route = state.options_for(
+            route_options(
+                True,
+                ttl=self.options.ttl,
+                lease=self.options.lease,
+                wait=None,
+                should_store=None,
+                scope_func=None,
+                fingerprint_func=None,
+            )
+        )
+        key = self.options.key(delivery)
+        if not key:
+            return self._dead_letter_unclaimed(delivery, "missing_key", dead_letter)
+        record_key = self.record_key(str(key))
+        fingerprint = delivery.fingerprint()
+        tx = state.store.begin()
+        try:
+            try:
+                claim = tx.claim(record_key, fingerprint, lease=route.lease, ttl=route.ttl)
+            except StoreUnavailableError as exc:
+                log.warning("consumer %s: store unavailable: %s", self.options.name, exc)
+                return Result(Outcome.RETRY, self.options.retry_delay, "store_unavailable")
+            decision = flow.decide(claim, fingerprint)
+            if isinstance(decision, flow.Replay):
+                return Result(Outcome.DUPLICATE)
+            if isinstance(decision, flow.Reject):
+                if decision.reason is flow.Rejection.KEY_REUSED:
+                    log.error(
+                        "consumer %s: another message under key %s",
+                        self.options.name,
+                        keys.log_key(record_key),
+                    )
+                    return self._dead_letter_unclaimed(delivery, "key_reused", dead_letter)
+                lease_left = getattr(claim, "lease_remaining", None) or 0.0
+                delay = min(self.options.busy_delay, max(lease_left, 0.0)) or 0.05
+                return Result(Outcome.BUSY, delay, "in_progress")
+            token = decision.token
+            state.keeper.hold(LeaseHold(record_key, token, route.lease))
+            g._idempotency = RequestState(
+                state=state, record_key=record_key, fingerprint=fingerprint, route=route
+            )
+            g._idempotency.tx = tx
+            g._idempotency.token = token
+            try:
+                self.handler(delivery)
+            except Exception as exc:
+                state.keeper.drop(record_key, token)
+                tx.rollback()
+                return self._failed(state, tx, delivery, record_key, token, exc, dead_letter)
+            except BaseException:
+                # Interrupted (SIGTERM, Ctrl-C): not an attempt; the message is
+                # redelivered when the channel closes.
+                state.keeper.drop(record_key, token)
+                tx.release(record_key, token)
+                raise
+            state.keeper.drop(record_key, token)
+            try:
+                tx.complete(record_key, token, HANDLED_RECORD)
+            except LeaseLostError:
+                log.warning(
+                    "consumer %s: lease lost for key %s; this attempt was rolled back",
+                    self.options.name,
+                    keys.log_key(record_key),
+                )
+                return Result(Outcome.FENCED, reason="lease_lost")
+            except StoreUnavailableError as exc:
+                log.warning("consumer %s: completion failed: %s", self.options.name, exc)
+                tx.release(record_key, token)
+                return Result(Outcome.RETRY, self.options.retry_delay, "store_unavailable")
+            return Result(Outcome.HANDLED)
+        finally:
+            g.pop("_idempotency", None)
+            tx.close()
+
+    def _failed(
+        self,
+        state: Any,
+        tx: Any,
+        delivery: Delivery,
+        record_key: bytes,
+        token: int,
+        exc: Exception,
+        dead_letter: DeadLetter | None,
+    ) -> Result:
+        name = self.options.name
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        tx.close()
+        try:
+            with state.store.transaction() as conn, conn.cursor() as cur:
+                cur.execute(ATTEMPTS_SO_FAR, (record_key, token))
+                row = cur.fetchone()
+        except StoreUnavailableError:
+            # The lease will lapse; the next delivery takes it over and counts it.
+            return Result(Outcome.RETRY, self.options.retry_delay, "handler_failed")
+        if row is None:
+            return Result(Outcome.FENCED, reason="lease_lost")
+        attempts = int(row[0]) + 1
+        log.warning(
+            "consumer %s: handler failed on key %s (attempt %d of %d): %s",
+            name,
+            keys.log_key(record_key),
+            attempts,
+            self.options.max_attempts,
+            type(exc).__name__,
+        )
+        if attempts >= self.options.max_attempts:
+            result = Result(Outcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts)
+            try:
+                if dead_letter is not None:
+                    dead_letter(delivery, result, error)
+            except Exception as dl_exc:
+                log.error("consumer %s: dead-lettering failed: %s", name, type(dl_exc).__name__)
+            else:
+                self._run(state, RELEASE, record_key, token)
+                return result
+        self._run(state, FAIL_ATTEMPT, record_key, token)
+        return Result(
+            Outcome.RETRY, self.retry_delay(attempts), "handler_failed", attempts=attempts
+        )
+
+    def _dead_letter_unclaimed(
+        self, delivery: Delivery, reason: str, dead_letter: DeadLetter | None
+    ) -> Result:
+        result = Result(Outcome.DEAD_LETTERED, reason=reason)
+        if dead_letter is not None:
+            try:
+                dead_letter(delivery, result, reason)
+            except Exception as exc:
+                log.error("consumer %s: dead-lettering failed: %s", self.options.name, exc)
+                return Result(Outcome.RETRY, self.options.retry_delay, reason)
+        return result
+
+    @staticmethod
+    def _run(state: Any, sql: str, record_key: bytes, token: int) -> None:
+        """Best effort: if PostgreSQL is away the lease lapses, with the same effect."""
+        try:
+            with state.store.transaction() as conn, conn.cursor() as cur:
+                cur.execute(sql, (record_key, token))
+        except StoreUnavailableError as exc:
+            log.warning("consumer: could not record the attempt: %s", exc)

@@ -1,0 +1,135 @@
+"""The relay: publishes pending outbox rows to the broker, then marks them published.
+
+One batch is one PostgreSQL transaction: take up to ``batch_size`` pending rows
+``FOR UPDATE SKIP LOCKED`` (so relays running side by side take disjoint
+batches), publish each and wait for the broker's confirm, then mark the
+confirmed ones published and commit. Hence:
+
+* a relay that dies between a publish and the commit leaves its rows pending
+  (its transaction dies with its connection); the next batch publishes them
+  again under the same message id: at least once, never lost. Consumers
+  recognise the re-publish (``consumer.py``);
+* a broker that goes away mid-batch: what it confirmed is marked, the rest
+  stays pending (its attempt counted), and the relay waits with exponential
+  backoff before it reconnects;
+* a message the broker returns as unroutable (no queue bound to its type yet)
+  is kept and deferred with a backoff of its own, so it holds up no other;
+* PostgreSQL unreachable: the same backoff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Protocol
+
+from ..store.base import StoreUnavailableError
+from . import outbox
+from .amqp import Backoff, BrokerUnavailable
+from .outbox import OutboxEvent
+
+log = logging.getLogger("flask_idempotency.events")
+
+#: Rows per batch: one transaction, its row locks held while they are published.
+DEFAULT_BATCH_SIZE = 100
+#: Seconds between looks at an empty outbox.
+DEFAULT_POLL_INTERVAL = 0.5
+#: Deferral of an unroutable event: 1 s, doubling with each attempt, at most 5 min.
+DEFER_BASE = 1.0
+DEFER_CAP = 300.0
+
+
+class EventPublisher(Protocol):
+    def publish(self, event: OutboxEvent) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class RelayStats:
+    published: int = 0
+    #: Returned as unroutable (or refused) and deferred.
+    deferred: int = 0
+    batches: int = 0
+    #: Rounds that failed for an outage (broker or PostgreSQL) and were retried.
+    outages: int = 0
+
+
+class Relay:
+    def __init__(
+        self,
+        store: Any,
+        publisher: EventPublisher,
+        *,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+        backoff: Backoff | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError("the relay's batch size must be at least 1")
+        self.store = store
+        self.publisher = publisher
+        self.batch_size = batch_size
+        self.poll_interval = poll_interval
+        self.backoff = backoff or Backoff()
+        self.stats = RelayStats()
+
+    def relay_batch(self) -> int:
+        """Publish one batch; return how many rows it took (0: nothing pending).
+
+        Raises :class:`BrokerUnavailable` or ``StoreUnavailableError`` after
+        committing what the broker did confirm.
+        """
+        error: BrokerUnavailable | None = None
+        with self.store.transaction() as conn:
+            events = outbox.claim_batch(conn, self.batch_size)
+            if not events:
+                return 0
+            published: list[str] = []
+            deferred: list[str] = []
+            for index, event in enumerate(events):
+                try:
+                    routed = self.publisher.publish(event)
+                except BrokerUnavailable as exc:
+                    error = exc
+                    outbox.mark_attempted(conn, [e.id for e in events[index:]])
+                    break
+                (published if routed else deferred).append(event.id)
+            outbox.mark_published(conn, published)
+            outbox.mark_deferred(conn, deferred, DEFER_BASE, DEFER_CAP)
+        self.stats.batches += 1
+        self.stats.published += len(published)
+        self.stats.deferred += len(deferred)
+        if deferred:
+            log.warning("relay: %d event(s) unroutable (no queue bound); deferred", len(deferred))
+        if error is not None:
+            raise error
+        return len(events)
+
+    def run(self, stop: threading.Event | None = None, *, once: bool = False) -> RelayStats:
+        """Relay until ``stop`` is set; with ``once``, until nothing is pending, and an
+        outage raises instead of waiting (cron runs it again)."""
+        stop = stop or threading.Event()
+        try:
+            while not stop.is_set():
+                try:
+                    taken = self.relay_batch()
+                except (BrokerUnavailable, StoreUnavailableError) as exc:
+                    self.publisher.close()
+                    if once:
+                        raise
+                    self.stats.outages += 1
+                    delay = self.backoff.next()
+                    log.warning("relay: %s; retrying in %.1f s", exc, delay)
+                    stop.wait(delay)
+                    continue
+                self.backoff.reset()
+                if taken == self.batch_size:
+                    continue  # more may be waiting
+                if once:
+                    break
+                stop.wait(self.poll_interval)
+        finally:
+            self.publisher.close()
+        return self.stats

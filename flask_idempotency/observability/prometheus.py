@@ -1,0 +1,470 @@
+"""Prometheus metrics, correct across gunicorn workers (the ``prometheus`` extra).
+
+::
+
+    from flask_idempotency.observability.prometheus import PrometheusMetrics
+
+    metrics = PrometheusMetrics(app, table_stats=True)   # after Idempotency(app)
+
+    @app.get("/metrics")
+    def prometheus_metrics():
+        return metrics.response()
+
+Under gunicorn every worker counts its own requests. prometheus-client's
+multiprocess mode adds them up: each worker writes its values to memory-mapped
+files in ``PROMETHEUS_MULTIPROC_DIR`` and whichever worker answers the scrape
+reads them all. That variable must be set (to an empty directory) in gunicorn's
+master before it forks, and each dead worker's live gauges removed in
+``child_exit``; the project's ``gunicorn.conf.py`` shows both. The library never
+sets it. Without it (one process, ``flask run``, tests) the metrics live in a
+registry as usual.
+
+Metric names (all under ``flask_idempotency_``) and their labels are listed in
+the README's "Observability" section. Counters count from the process start
+(rates are what dashboards use); gauges of gunicorn's workers are summed over
+the live ones. The table-wide figures of ``flask idempotency stats`` are an
+opt-in collector (``table_stats=True``) that queries PostgreSQL at most once
+per ``table_stats_interval`` however often it is scraped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flask import Flask, Response, request
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from ..store.base import StoreUnavailableError
+from . import PHASE_CLAIM, PHASE_COMPLETE, Attributes, Observer, Outcome, RequestEvent, attach
+
+if TYPE_CHECKING:
+    from ..store.postgres import PostgresStore
+
+log = logging.getLogger("flask_idempotency.observability")
+
+PREFIX = "flask_idempotency"
+
+#: From a prepared claim on a local server (a few hundred microseconds) to the
+#: statement timeout (5 s by default) and beyond.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+#: The variable prometheus-client's multiprocess mode reads (set by gunicorn.conf.py).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+#: Typical scrape interval: the table-wide collector queries at most this often.
+DEFAULT_TABLE_STATS_INTERVAL = 15.0
+
+
+def multiprocess_mode() -> bool:
+    """Whether prometheus-client writes its values to the multiprocess directory.
+
+    It decides when it is first imported, from ``PROMETHEUS_MULTIPROC_DIR``."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
+
+
+class _Instruments:
+    """The metric objects. One set per registry, and one per process in
+    multiprocess mode (two objects of one name would overwrite each other's file
+    entries)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, list(labels), registry=registry)
+
+        def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
+            # livesum: summed over live workers; a dead worker's file is removed by
+            # mark_process_dead() in gunicorn's child_exit.
+            return Gauge(
+                f"{PREFIX}_{name}", doc, list(labels), registry=registry,
+                multiprocess_mode="livesum",
+            )  # fmt: skip
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, registry=registry, buckets=LATENCY_BUCKETS)
+
+        self.requests = counter(
+            "requests",
+            "Requests to idempotent routes by route and outcome (source: cache or store for "
+            "replays, else empty)",
+            ("route", "outcome", "source"),
+        )
+        self.claim_seconds = histogram(
+            "claim_duration_seconds", "Time of the claim statement (every try of a waiting one)"
+        )
+        self.completion_seconds = histogram(
+            "completion_duration_seconds",
+            "Time to store an answer: the completion statement and the view's commit",
+        )
+        self.in_flight = gauge("claims_in_flight", "Claims held by running views")
+        self.takeovers = counter(
+            "lease_takeovers", "Claims that took over a record whose holder's lease had expired"
+        )
+        self.lease_renewals = counter(
+            "lease_renewals", "Leases of running views extended by the lease keeper"
+        )
+        self.lease_renewal_failures = counter(
+            "lease_renewal_failures", "Lease renewal rounds that failed (PostgreSQL unreachable)"
+        )
+        self.cache_lookups = counter(
+            "cache_lookups",
+            "Response cache lookups (a failed or skipped Redis call is a miss)",
+            ("result",),
+        )
+        self.cache_hits = self.cache_lookups.labels("hit")
+        self.cache_misses = self.cache_lookups.labels("miss")
+        self.redis_errors = counter(
+            "redis_errors", "Redis commands that failed (treated as misses)", ("command",)
+        )
+        self.redis_skipped = counter(
+            "redis_skipped",
+            "Redis commands skipped while the circuit breaker was open",
+            ("command",),
+        )
+        self.breaker_state = gauge(
+            "redis_breaker_state",
+            "Processes whose Redis circuit breaker is in each state",
+            ("state",),
+        )
+        self.breaker_opened = counter(
+            "redis_breaker_opened", "Times the Redis circuit breaker opened"
+        )
+        self.pool_max = gauge(
+            "pool_connections_max", "Database connections the pools may lend to requests"
+        )
+        self.pool_in_use = gauge(
+            "pool_connections_in_use", "Database connections lent to requests right now"
+        )
+        self.pool_waiting = gauge(
+            "pool_waiting_requests", "Requests waiting for a free database connection"
+        )
+        self.pool_timeouts = counter(
+            "pool_timeouts", "Requests that found no free database connection in time (503)"
+        )
+
+
+_instruments: weakref.WeakKeyDictionary[CollectorRegistry, _Instruments] = (
+    weakref.WeakKeyDictionary()
+)
+_multiprocess_instruments: _Instruments | None = None
+_instruments_lock = threading.Lock()
+
+
+def _instruments_for(registry: CollectorRegistry) -> _Instruments:
+    global _multiprocess_instruments
+    with _instruments_lock:
+        if multiprocess_mode():
+            if _multiprocess_instruments is None:
+                _multiprocess_instruments = _Instruments(None)
+            return _multiprocess_instruments
+        found = _instruments.get(registry)
+        if found is None:
+            found = _instruments[registry] = _Instruments(registry)
+        return found
+
+
+class PrometheusMetrics(Observer):
+    """Reports one or more apps' idempotency work as Prometheus metrics.
+
+    ``registry`` is where the metrics are registered outside multiprocess mode
+    (the default registry unless given). ``table_stats=True`` adds the table-wide
+    gauges of ``flask idempotency stats``, queried at most once per
+    ``table_stats_interval`` seconds, across workers too when they share
+    ``PROMETHEUS_MULTIPROC_DIR``.
+    """
+
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        registry: CollectorRegistry = REGISTRY,
+        table_stats: bool = False,
+        table_stats_interval: float = DEFAULT_TABLE_STATS_INTERVAL,
+    ) -> None:
+        self.registry = registry
+        self.table_stats = table_stats
+        self.table_stats_interval = table_stats_interval
+        self._m = _instruments_for(registry)
+        self._request_counters: dict[tuple[str, str, str], Any] = {}
+        self._collectors: list[TableStatsCollector] = []
+        self._scrape_registry: CollectorRegistry | None = None
+        self._apps: list[Flask] = []
+        self._routes_shown: set[str] = set()
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        """Observe ``app`` (its ``Idempotency`` must be initialised already)."""
+        if os.environ.get(MULTIPROC_ENV) and not multiprocess_mode():
+            log.warning(
+                "%s is set but prometheus_client was imported before it was: each "
+                "process exports only its own figures. Set it before the import "
+                "(in gunicorn.conf.py, in the master).",
+                MULTIPROC_ENV,
+            )
+        from ..gunicorn import pool_capacity
+
+        capacity = pool_capacity(app)
+        if capacity is not None:
+            self._m.pool_max.inc(capacity[0])
+        attach(app, self)
+        self._apps.append(app)
+        self._show_routes()
+        if self.table_stats:
+            state = app.extensions["idempotency"]
+            collector = TableStatsCollector(state.store, interval=self.table_stats_interval)
+            self._collectors.append(collector)
+            if not multiprocess_mode():
+                self.registry.register(collector)
+        app.extensions["idempotency_prometheus"] = self
+
+    # -- exposition --------------------------------------------------------------
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The metrics in the format ``accept`` asks for (Prometheus text by
+        default, OpenMetrics on request), and its content type. In multiprocess
+        mode, every worker's figures added up."""
+        self._show_routes()
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self._registry_to_scrape()), content_type
+
+    def _show_routes(self) -> None:
+        """Every outcome of every decorated route at 0 until it happens: rates and
+        alerts need the series to exist, and in multiprocess mode a metric without
+        a sample is not exported at all (not even its ``# TYPE`` line)."""
+        for app in self._apps:
+            for rule in app.url_map.iter_rules():
+                if rule.rule in self._routes_shown:
+                    continue
+                if not _is_idempotent(app.view_functions.get(rule.endpoint)):
+                    continue
+                self._routes_shown.add(rule.rule)
+                for outcome in Outcome:
+                    sources = ("cache", "store") if outcome is Outcome.REPLAYED else ("",)
+                    for source in sources:
+                        self._m.requests.labels(rule.rule, outcome.value, source)
+
+    def response(self) -> Response:
+        """``exposition()`` as the answer of a Flask view (``GET /metrics``)."""
+        body, content_type = self.exposition(request.headers.get("Accept"))
+        return Response(body, content_type=content_type)
+
+    def _registry_to_scrape(self) -> CollectorRegistry:
+        if not multiprocess_mode():
+            return self.registry
+        if self._scrape_registry is None:
+            registry = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            for collector in self._collectors:
+                registry.register(collector)
+            self._scrape_registry = registry
+        return self._scrape_registry
+
+    # -- the observer hooks ------------------------------------------------------
+
+    def request_finished(self, event: RequestEvent) -> None:
+        labels = (event.route, event.outcome.value, event.source or "")
+        child = self._request_counters.get(labels)
+        if child is None:
+            child = self._request_counters[labels] = self._m.requests.labels(*labels)
+        child.inc()
+        if event.claimed:
+            self._m.in_flight.dec()
+
+    def claimed(self, takeover: bool) -> None:
+        self._m.in_flight.inc()
+        if takeover:
+            self._m.takeovers.inc()
+
+    def phase_ended(
+        self,
+        phase: str,
+        started: object,
+        seconds: float,
+        attributes: Attributes,
+        error: BaseException | None,
+    ) -> None:
+        if phase == PHASE_CLAIM:
+            self._m.claim_seconds.observe(seconds)
+        elif phase == PHASE_COMPLETE:
+            self._m.completion_seconds.observe(seconds)
+
+    def leases_renewed(self, renewed: int) -> None:
+        if renewed:
+            self._m.lease_renewals.inc(renewed)
+
+    def lease_renewal_failed(self) -> None:
+        self._m.lease_renewal_failures.inc()
+
+    def cache_lookup(self, hit: bool) -> None:
+        (self._m.cache_hits if hit else self._m.cache_misses).inc()
+
+    def redis_failed(self, command: str) -> None:
+        self._m.redis_errors.labels(command).inc()
+
+    def redis_skipped(self, command: str) -> None:
+        self._m.redis_skipped.labels(command).inc()
+
+    def breaker_changed(self, state: str) -> None:
+        for name in ("closed", "open", "half-open"):
+            self._m.breaker_state.labels(name).set(1 if name == state else 0)
+        if state == "open":
+            self._m.breaker_opened.inc()
+
+    def pool_checkout(self) -> None:
+        self._m.pool_in_use.inc()
+
+    def pool_checkin(self) -> None:
+        self._m.pool_in_use.dec()
+
+    def pool_waiting(self, delta: int) -> None:
+        self._m.pool_waiting.inc(delta)
+
+    def pool_timeout(self) -> None:
+        self._m.pool_timeouts.inc()
+
+
+def _is_idempotent(view: Any) -> bool:
+    """Whether ``view`` is (or wraps) a view decorated by ``required``/``optional``."""
+    from ..recovery import ROUTE_ATTRIBUTE  # set on the decorator's wrapper
+
+    for _ in range(32):
+        if view is None:
+            return False
+        if getattr(view, ROUTE_ATTRIBUTE, None) is not None:
+            return True
+        view = getattr(view, "__wrapped__", None)
+    return False
+
+
+#: ``store.stats()`` figures and the gauges they become.
+_RECORD_STATES = ("processing", "completed", "expired")
+_TABLE_GAUGES = (
+    (
+        "records_lease_expired",
+        "Processing records whose lease expired and that nobody took over (stuck)",
+        "lease_expired",
+    ),
+    (
+        "oldest_processing_age_seconds",
+        "Age of the oldest processing record",
+        "oldest_processing_seconds",
+    ),
+    (
+        "records_takeovers",
+        "Takeovers counted on the records still in the table",
+        "takeovers",
+    ),
+)
+
+
+class TableStatsCollector:
+    """The table-wide figures of ``flask idempotency stats`` as gauges.
+
+    A scrape that comes less than ``interval`` seconds after the last query gets
+    that query's figures. In multiprocess mode the figures are shared through a
+    file in ``PROMETHEUS_MULTIPROC_DIR`` under an exclusive lock, so however many
+    workers answer scrapes, PostgreSQL is asked at most once per interval. If it
+    does not answer, ``flask_idempotency_table_stats_up`` is 0 (and the failure is
+    remembered for the interval too: an outage is not hammered by scrapes).
+    """
+
+    def __init__(
+        self,
+        store: PostgresStore,
+        *,
+        interval: float = DEFAULT_TABLE_STATS_INTERVAL,
+        shared_dir: str | None = None,
+        clock: Any = time.time,
+    ) -> None:
+        self.store = store
+        self.interval = interval
+        self.clock = clock
+        directory = shared_dir if shared_dir is not None else os.environ.get(MULTIPROC_ENV)
+        self._shared = Path(directory) / "flask_idempotency_table_stats.json" if directory else None
+        self._lock = threading.Lock()
+        self._cached: tuple[float, dict[str, float] | None] | None = None
+        #: Queries run by this collector (for tests and the curious).
+        self.queries = 0
+
+    def describe(self) -> list[Metric]:
+        """The families, without querying (a registry asks when it registers us)."""
+        return list(self._families(None))
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.figures())
+
+    def _families(self, figures: dict[str, float] | None) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            f"{PREFIX}_table_stats_up",
+            "1 if the last query of the table-wide figures succeeded",
+            value=1 if figures is not None else 0,
+        )
+        records = GaugeMetricFamily(
+            f"{PREFIX}_records",
+            "Idempotency records by state (expired: past their TTL, awaiting purge)",
+            labels=["state"],
+        )
+        if figures is not None:
+            for state in _RECORD_STATES:
+                records.add_metric([state], figures.get(state, 0.0))
+        yield records
+        for name, doc, figure in _TABLE_GAUGES:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+            if figures is not None:
+                family.add_metric([], figures.get(figure, 0.0))
+            yield family
+
+    def figures(self) -> dict[str, float] | None:
+        """The latest figures (``None``: PostgreSQL did not answer), queried only if
+        the cached ones are older than ``interval``."""
+        with self._lock:
+            now = self.clock()
+            if self._cached is not None and now - self._cached[0] < self.interval:
+                return self._cached[1]
+            if self._shared is None:
+                figures = self._query()
+                at = now
+            else:
+                at, figures = self._shared_figures(now)
+            self._cached = (at, figures)
+            return figures
+
+    def _query(self) -> dict[str, float] | None:
+        self.queries += 1
+        try:
+            return self.store.stats()
+        except StoreUnavailableError as exc:
+            log.warning("idempotency: table stats unavailable: %s", exc)
+            return None
+
+    def _shared_figures(self, now: float) -> tuple[float, dict[str, float] | None]:
+        assert self._shared is not None
+        lock_path = self._shared.with_suffix(".lock")
+        with open(lock_path, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker queries, the others wait and read
+            try:
+                cached = json.loads(self._shared.read_text())
+                at, figures = float(cached["at"]), cached["figures"]
+                if now - at < self.interval:
+                    return at, figures
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            figures = self._query()
+            tmp = self._shared.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"at": now, "figures": figures}))
+            tmp.replace(self._shared)
+            return now, figures

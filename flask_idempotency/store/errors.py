@@ -1,0 +1,51 @@
+"""One answer to "is the database unreachable?", used wherever the store decides
+between a ``503 store_unavailable`` and letting an error through.
+
+Unreachable means the statement's outcome says nothing about the statement: the
+connection broke, the server is shutting down or refuses sessions. Those are
+worth a retry later (503 with ``Retry-After``) and make the connection, and
+probably its idle peers, unusable. Anything else (a constraint, a syntax error,
+a cancelled statement, a lock timeout) is an answer from a live server.
+
+A server that refuses writes counts as unreachable too (SQLSTATE 25006,
+``read_only_sql_transaction``): a hot standby, a former primary demoted by a
+failover, or one fenced with ``default_transaction_read_only``. Its connections
+are no use for claims, and only new ones can find the writable server (libpq's
+``target_session_attrs=read-write`` over a multi-host DSN).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg2
+
+#: SQLSTATEs outside class 08 that mean the session is gone or cannot start:
+#: admin_shutdown, crash_shutdown, cannot_connect_now, too_many_connections.
+UNREACHABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+
+#: ``read_only_sql_transaction``: the server (a standby, or one with
+#: ``default_transaction_read_only = on``) refused a write. psycopg2 raises it as
+#: an ``InternalError``, so it is matched by SQLSTATE whatever the class.
+READ_ONLY_SQLSTATE = "25006"
+
+
+def is_unreachable(exc: BaseException, conn: Any = None) -> bool:
+    """Whether ``exc`` (raised on ``conn``, if given) means PostgreSQL cannot be reached.
+
+    ``InterfaceError`` (the connection is closed on our side); an
+    ``OperationalError`` without an SQLSTATE (libpq lost the socket: reset,
+    timeout, EOF) or of class 08 (connection exception) or one of
+    :data:`UNREACHABLE_SQLSTATES`; a read-only server's refusal
+    (:data:`READ_ONLY_SQLSTATE`); or any error on a connection that is now closed.
+    """
+    if conn is not None and getattr(conn, "closed", False):
+        return True
+    if isinstance(exc, psycopg2.Error) and exc.pgcode == READ_ONLY_SQLSTATE:
+        return True
+    if isinstance(exc, psycopg2.InterfaceError):
+        return True
+    if isinstance(exc, psycopg2.OperationalError):
+        code = exc.pgcode
+        return not code or code.startswith("08") or code in UNREACHABLE_SQLSTATES
+    return False

@@ -1,0 +1,125 @@
+"""A client-side deadline for the extension's own statements.
+
+``statement_timeout``, ``lock_timeout``, TCP keepalives and ``tcp_user_timeout``
+all need an answer from somewhere: from the server, or at least TCP ACKs that
+stop coming. A PostgreSQL behind a proxy or load balancer that stops forwarding
+(or a server that is frozen while its kernel still ACKs) sends neither, and
+libpq then blocks in ``recv()`` for as long as the socket stays open.
+
+One daemon thread per process looks at the statements in flight a few times a
+second. When one overruns its deadline it shuts the connection's socket down
+(``shutdown(SHUT_RDWR)`` on a duplicate of its descriptor): libpq's blocking
+read returns, psycopg2 raises ``OperationalError``, and the caller discards the
+connection and answers 503. The hot path only puts an entry in a dict and takes
+it out again::
+
+    ticket = WATCHDOG.watch(conn, seconds)
+    try:
+        cur.execute(...)
+    finally:
+        fired = WATCHDOG.unwatch(ticket)   # True: the watchdog shut it down
+
+Exactly one of ``unwatch`` and the watchdog removes an entry (``dict.pop`` is
+atomic), so the watchdog never touches a connection whose statement already
+ended; and ``unwatch`` of a fired entry waits for the shutdown to finish, so
+the caller never closes (and frees the descriptor of) a socket the watchdog is
+still using.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("flask_idempotency.store")
+
+#: How often the watchdog looks, seconds: the deadline's precision.
+POLL_INTERVAL = 0.1
+
+
+class Watchdog:
+    def __init__(self, poll_interval: float = POLL_INTERVAL) -> None:
+        self._poll_interval = poll_interval
+        self._tickets = itertools.count(1)
+        #: ticket -> (deadline on the monotonic clock, connection)
+        self._watched: dict[int, tuple[float, Any]] = {}
+        self._kill_lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._running = False
+        self.fired = 0
+
+    def watch(self, conn: Any, seconds: float) -> int:
+        """Start watching one statement on ``conn``; returns the ticket for ``unwatch``."""
+        if not self._running:
+            self._start()
+        ticket = next(self._tickets)
+        self._watched[ticket] = (time.monotonic() + seconds, conn)
+        return ticket
+
+    def unwatch(self, ticket: int) -> bool:
+        """Stop watching; True if the deadline passed and the socket was shut down
+        (the connection is then unusable, whatever the statement returned)."""
+        if self._watched.pop(ticket, None) is not None:
+            return False
+        with self._kill_lock:  # the watchdog has it: let the shutdown finish first
+            return True
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._running:
+                return
+            thread = threading.Thread(
+                target=self._run, name="idempotency-statement-watchdog", daemon=True
+            )
+            thread.start()
+            self._running = True
+
+    def _after_fork(self) -> None:
+        # The thread did not survive the fork, nor do the parent's statements matter.
+        self._watched = {}
+        self._kill_lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._running = False
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self._poll_interval)
+            if not self._watched:
+                continue
+            try:
+                self._check(time.monotonic())
+            except Exception:  # never die: the deadlines depend on this thread
+                log.exception("idempotency: statement watchdog failed; still watching")
+
+    def _check(self, now: float) -> None:
+        for ticket, (deadline, conn) in self._watched.copy().items():
+            if deadline <= now:
+                with self._kill_lock:
+                    if self._watched.pop(ticket, None) is not None:
+                        self._shut_down(conn)
+
+    def _shut_down(self, conn: Any) -> None:
+        self.fired += 1
+        try:
+            fd = conn.fileno()
+            dup = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+        except Exception as exc:  # closed meanwhile, or no socket: nothing to wake
+            log.debug("idempotency: watchdog found no socket to shut down: %s", exc)
+            return
+        try:
+            dup.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            dup.close()
+        log.warning("idempotency: PostgreSQL did not answer in time; connection shut down")
+
+
+#: The process's watchdog.
+WATCHDOG = Watchdog()
+os.register_at_fork(after_in_child=WATCHDOG._after_fork)

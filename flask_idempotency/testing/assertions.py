@@ -1,0 +1,401 @@
+"""``assert_idempotent``: prove through real HTTP that duplicates of a request run its view once.
+
+The check sends ``duplicates`` identical requests (same body, same
+``Idempotency-Key``) at the same moment from as many threads, each on a
+connection of its own, to a server that really runs them concurrently (a
+:class:`~flask_idempotency.testing.LiveServer`, gunicorn, a deployed app). A
+duplicate answered ``409`` with ``Retry-After`` (the first one is still
+running) is retried until it gets a final answer. Then:
+
+* exactly one answer is not marked as a replay (``Idempotent-Replayed: true``
+  in the ``stripe`` profile, ``Idempotency-Replayed: true`` in ``ietf``);
+* every answer has the same status and a byte-identical body;
+* the view ran once, if you pass ``executions=`` (a callable returning how many
+  times it ran so far, e.g. a ``SELECT count(*)`` of the rows it inserts);
+* ``idempotency_records`` gained exactly one completed record, if you pass
+  ``database_url=`` (the app's database);
+* the same key with a different body answers ``422`` and runs nothing.
+
+All problems found are reported together in one ``AssertionError``. Messages
+show at most a short prefix of a body and never the idempotency key.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json as jsonlib
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["Answer", "IdempotencyReport", "assert_idempotent"]
+
+#: Replay markers of the two profiles: ``stripe`` (also ``false`` on the original) and ``ietf``.
+REPLAY_HEADERS = ("Idempotent-Replayed", "Idempotency-Replayed")
+
+#: How much of a body an assertion message may show.
+PREVIEW_BYTES = 40
+
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The final answer one duplicate got."""
+
+    status: int
+    #: Header names in lower case; a repeated header's values joined by ``", "``.
+    headers: Mapping[str, str]
+    body: bytes
+    #: ``409`` answers (request still in progress) retried before this one.
+    in_progress_retries: int = 0
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    @property
+    def replayed(self) -> bool:
+        return any((self.header(h) or "").strip().lower() == "true" for h in REPLAY_HEADERS)
+
+    @property
+    def in_progress(self) -> bool:
+        """A ``409`` with ``Retry-After``: the first request is still running."""
+        return self.status == 409 and self.header("Retry-After") is not None
+
+
+@dataclass(frozen=True)
+class IdempotencyReport:
+    """What ``assert_idempotent`` saw, once every check passed."""
+
+    status: int
+    body: bytes
+    answers: tuple[Answer, ...]
+    #: ``409 in progress`` answers retried, over all duplicates.
+    in_progress_retries: int
+    #: How many times the view ran (the ``executions`` hook's difference), if given.
+    executions: int | None
+    #: The status of the same key with a different body (``422``), unless not checked.
+    mismatch_status: int | None
+
+
+def preview(body: bytes) -> str:
+    """A short, safe rendering of a body for messages: its first bytes, escaped."""
+    shown = repr(body[:PREVIEW_BYTES])
+    return f"{shown}… ({len(body)} bytes)" if len(body) > PREVIEW_BYTES else shown
+
+
+def _times(count: int) -> str:
+    return "once" if count == 1 else f"{count} times"
+
+
+def _send(
+    url: str, method: str, headers: Mapping[str, str], body: bytes | None, timeout: float
+) -> Answer:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("assert_idempotent needs an http:// or https:// URL")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    conn_class = (
+        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    )
+    conn = conn_class(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request(method, target, body=body, headers={**headers, "Connection": "close"})
+        response = conn.getresponse()
+        received: dict[str, str] = {}
+        for name, value in response.getheaders():
+            lowered = name.lower()
+            received[lowered] = f"{received[lowered]}, {value}" if lowered in received else value
+        return Answer(response.status, received, response.read())
+    finally:
+        conn.close()
+
+
+def _send_until_final(
+    url: str,
+    method: str,
+    headers: Mapping[str, str],
+    body: bytes | None,
+    *,
+    deadline: float,
+    timeout: float,
+    retry_in_progress: bool,
+) -> Answer:
+    """One duplicate: sent, and re-sent while it is answered ``409`` with ``Retry-After``."""
+    retries = 0
+    pause = 0.01
+    while True:
+        answer = _send(url, method, headers, body, timeout)
+        if not (retry_in_progress and answer.in_progress) or time.monotonic() >= deadline:
+            return Answer(answer.status, answer.headers, answer.body, retries)
+        retries += 1
+        # Faster than Retry-After (whole seconds): a test wants the answer as soon as it exists.
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
+def _encode(
+    json: Any, data: bytes | str | None, headers: dict[str, str]
+) -> tuple[bytes | None, Any]:
+    """The body to send, and the parsed JSON it holds (``_MISSING`` if none)."""
+    if json is not _MISSING:
+        if data is not None:
+            raise TypeError("pass json= or data=, not both")
+        if not any(name.lower() == "content-type" for name in headers):
+            headers["Content-Type"] = "application/json"
+        return jsonlib.dumps(json).encode("utf-8"), json
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if data is None:
+        return None, _MISSING
+    try:
+        return data, jsonlib.loads(data)
+    except ValueError:
+        return data, _MISSING
+
+
+def _mismatched(parsed: Any, body: bytes | None) -> bytes:
+    """A body the extension must see as different from ``body``: another JSON value
+    when ``body`` is JSON (whitespace or key order would not do), else other bytes."""
+    marker = f"assert_idempotent:{secrets.token_hex(4)}"
+    if parsed is _MISSING:
+        return (body or b"") + marker.encode("ascii")
+    if isinstance(parsed, dict):
+        changed: Any = {**parsed, "_assert_idempotent_probe": marker}
+    elif isinstance(parsed, list):
+        changed = [*parsed, marker]
+    else:
+        changed = {"_assert_idempotent_probe": marker, "value": parsed}
+    return jsonlib.dumps(changed).encode("utf-8")
+
+
+def _record_snapshot(database_url: str) -> dict[bytes, str]:
+    """``record_key -> state`` of every row of ``idempotency_records``."""
+    import psycopg2
+
+    try:
+        conn = psycopg2.connect(database_url, connect_timeout=10)
+    except psycopg2.Error as exc:
+        raise AssertionError(
+            f"assert_idempotent could not connect to database_url: {exc}"
+        ) from None
+    try:
+        with conn, conn.cursor() as cur:
+            try:
+                cur.execute("SELECT record_key, state FROM idempotency_records")
+            except psycopg2.errors.UndefinedTable:
+                raise AssertionError(
+                    "database_url has no idempotency_records table: pass the app's own "
+                    "(migrated) database"
+                ) from None
+            return {bytes(key): state for key, state in cur.fetchall()}
+    finally:
+        conn.close()
+
+
+def assert_idempotent(
+    url: str,
+    *,
+    method: str = "POST",
+    json: Any = _MISSING,
+    data: bytes | str | None = None,
+    headers: Mapping[str, str] | None = None,
+    duplicates: int = 20,
+    key: str | None = None,
+    key_header: str = "Idempotency-Key",
+    executions: Callable[[], int] | None = None,
+    database_url: str | None = None,
+    mismatched_json: Any = _MISSING,
+    mismatched_data: bytes | str | None = None,
+    check_mismatch: bool = True,
+    retry_in_progress: bool = True,
+    timeout: float = 30.0,
+) -> IdempotencyReport:
+    """Send ``duplicates`` identical requests at once; assert the route ran once.
+
+    ``url`` is the route's full URL on a real server (``live_server.url +
+    "/v1/charges"``). ``headers`` are sent with every request (your
+    ``Authorization``, say); the key is ``key``, else a fresh random one, in
+    ``key_header``. ``executions`` is a callable returning how many times the
+    view has run so far; ``database_url`` the app's database, to check its
+    ``idempotency_records``. The ``422`` probe sends ``mismatched_json`` /
+    ``mismatched_data``, by default the body with one field added
+    (``check_mismatch=False`` skips it). ``timeout`` bounds the whole check,
+    retries of ``409`` answers included.
+
+    Returns an :class:`IdempotencyReport`; raises ``AssertionError`` listing
+    every check that failed.
+    """
+    # pytest shows the caller's line, not this frame (whose arguments hold the key).
+    __tracebackhide__ = True
+    if duplicates < 2:
+        raise ValueError("duplicates must be at least 2")
+    method = method.upper()
+    sent_headers = dict(headers or {})
+    for name in list(sent_headers):
+        if name.lower() == key_header.lower():
+            given = sent_headers.pop(name)  # sent once, under key_header
+            key = key or given
+    sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
+    body, parsed = _encode(json, data, sent_headers)
+
+    started_executions = executions() if executions is not None else None
+    records_before = _record_snapshot(database_url) if database_url is not None else None
+
+    deadline = time.monotonic() + timeout
+    barrier = threading.Barrier(duplicates)
+    answers: list[Answer | None] = [None] * duplicates
+    failures: list[str | None] = [None] * duplicates
+
+    def duplicate(index: int) -> None:
+        try:
+            barrier.wait(timeout)
+            answers[index] = _send_until_final(
+                url,
+                method,
+                sent_headers,
+                body,
+                deadline=deadline,
+                timeout=timeout,
+                retry_in_progress=retry_in_progress,
+            )
+        except Exception as exc:  # reported below, with every other problem
+            failures[index] = f"{type(exc).__name__}: {exc}"
+
+    threads = [
+        threading.Thread(target=duplicate, args=(i,), name=f"assert_idempotent duplicate {i}")
+        for i in range(duplicates)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 5)
+
+    problems: list[str] = []
+    failed = [f"#{i}: {f}" for i, f in enumerate(failures) if f is not None]
+    if failed:
+        problems.append(
+            f"{len(failed)} of {duplicates} duplicates got no answer: " + "; ".join(failed[:3])
+        )
+    got = [a for a in answers if a is not None]
+    if not got:
+        raise AssertionError("assert_idempotent: " + "\n  ".join(problems or ["no answers"]))
+
+    ran = None
+    if executions is not None and started_executions is not None:
+        ran = executions() - started_executions
+    if ran is not None and ran != 1:
+        problems.append(
+            f"the view ran {_times(ran)} for {duplicates} identical requests (executions hook); "
+            "expected once"
+        )
+
+    statuses = Counter(a.status for a in got)
+    still_running = [a for a in got if a.in_progress]
+    if still_running and retry_in_progress:
+        problems.append(
+            f"{len(still_running)} duplicates were still answered 409 after {timeout:g}s"
+        )
+    if len(statuses) > 1:
+        shown = ", ".join(f"{n}×{status}" for status, n in statuses.most_common())
+        odd = next(a for a in got if a.status != statuses.most_common(1)[0][0])
+        problems.append(
+            f"the duplicates got different statuses: {shown} "
+            f"(a {odd.status} body: {preview(odd.body)})"
+        )
+
+    fresh = [a for a in got if not a.replayed]
+    if len(fresh) != 1:
+        if len(fresh) == len(got) and any(a.header(REPLAY_HEADERS[0]) for a in got):
+            problems.append(
+                f"none of the {len(got)} answers was a replay, though the route marks them "
+                f"({REPLAY_HEADERS[0]}: false): its {got[0].status} answers are not stored "
+                "(should_store?), so every duplicate ran as a first request"
+            )
+        elif len(fresh) == len(got):
+            problems.append(
+                f"none of the {len(got)} answers was a replay (no "
+                f"{' / '.join(h + ': true' for h in REPLAY_HEADERS)}): every duplicate was "
+                f"answered as a first request. Is the route decorated with "
+                f"@idempotency.required / @idempotency.optional, and is the key sent in "
+                f"{key_header!r}?"
+            )
+        elif not fresh:
+            problems.append(
+                f"all {len(got)} answers were replays: the key was used before this check; "
+                "pass a fresh key= (or none)"
+            )
+        else:
+            problems.append(
+                f"{len(fresh)} of {len(got)} answers were not replays; expected exactly one"
+            )
+
+    bodies = Counter(a.body for a in got)
+    if len(bodies) > 1:
+        (common, _), (other, _) = bodies.most_common(2)
+        problems.append(
+            f"the answers are not byte-identical: {len(bodies)} distinct bodies, "
+            f"e.g. {preview(common)} and {preview(other)}"
+        )
+
+    if records_before is not None and database_url is not None:
+        after = _record_snapshot(database_url)
+        new = {k: state for k, state in after.items() if k not in records_before}
+        if len(new) != 1:
+            problems.append(
+                f"idempotency_records gained {len(new)} records during the check; expected "
+                "exactly one (is database_url the app's database?)"
+            )
+        elif set(new.values()) != {"completed"}:
+            problems.append(
+                f"the new idempotency record is {next(iter(new.values()))!r}, not 'completed': "
+                f"the answer ({got[0].status}) was not stored"
+            )
+
+    mismatch_status: int | None = None
+    if check_mismatch:
+        if mismatched_json is not _MISSING:
+            other_headers = dict(sent_headers)
+            other_body, _ = _encode(mismatched_json, None, other_headers)
+        else:
+            other_headers = sent_headers
+            if mismatched_data is not None:
+                other_body = (
+                    mismatched_data.encode("utf-8")
+                    if isinstance(mismatched_data, str)
+                    else mismatched_data
+                )
+            else:
+                other_body = _mismatched(parsed, body)
+        before_probe = executions() if executions is not None else None
+        probe = _send(url, method, other_headers, other_body, timeout)
+        mismatch_status = probe.status
+        if probe.status != 422:
+            problems.append(
+                f"the same key with a different body answered {probe.status}, expected 422 "
+                f"(key reused); body: {preview(probe.body)}"
+            )
+        if executions is not None and before_probe is not None:
+            probe_ran = executions() - before_probe
+            if probe_ran:
+                problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
+
+    if problems:
+        raise AssertionError(
+            f"{method} {urlsplit(url).path or '/'} is not idempotent under "
+            f"{duplicates} concurrent duplicates:\n  - " + "\n  - ".join(problems)
+        )
+    first = fresh[0]
+    return IdempotencyReport(
+        status=first.status,
+        body=first.body,
+        answers=tuple(got),
+        in_progress_retries=sum(a.in_progress_retries for a in got),
+        executions=ran,
+        mismatch_status=mismatch_status,
+    )

@@ -1,0 +1,108 @@
+"""Serve a Flask app on a real, threaded HTTP server inside the test process.
+
+The Flask test client runs one request at a time in the calling thread, so it
+can never show what concurrent duplicates do. :func:`serve_app` puts the app
+behind werkzeug's threaded WSGI server on a free loopback port instead: every
+request gets a thread of its own, as under gunicorn's ``gthread`` workers,
+without starting another process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flask import Flask
+    from werkzeug.serving import BaseWSGIServer
+
+__all__ = ["LiveServer", "serve_app"]
+
+#: How long ``stop()`` waits for the serving thread once the server is shut down.
+_JOIN_SECONDS = 10.0
+
+
+class LiveServer:
+    """A Flask app served over HTTP on ``127.0.0.1`` from a thread of this process.
+
+    ``url`` is ``http://127.0.0.1:PORT`` (no trailing slash). Use it as a
+    context manager, or call ``start()`` and ``stop()``.
+    """
+
+    def __init__(self, app: Flask, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app = app
+        self.host = host
+        self._port = port
+        self._server: BaseWSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("the live server is not running")
+        return int(self._server.server_port)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> LiveServer:
+        if self._server is not None:
+            return self
+        from werkzeug.serving import WSGIRequestHandler, make_server
+
+        class QuietHandler(WSGIRequestHandler):
+            """No access log line per request (a duplicate storm is dozens of them);
+            errors are still logged."""
+
+            def log_request(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
+        server = make_server(
+            self.host, self._port, self.app, threaded=True, request_handler=QuietHandler
+        )
+        thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"flask-idempotency live server :{server.server_port}",
+            daemon=True,
+        )
+        thread.start()
+        self._server, self._thread = server, thread
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting requests and close the listening socket."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(_JOIN_SECONDS)
+
+    def __enter__(self) -> LiveServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self.url if self._server is not None else "stopped"
+        return f"<LiveServer {self.app.name} {where}>"
+
+
+@contextmanager
+def serve_app(app: Flask, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[LiveServer]:
+    """``with serve_app(app) as server:`` the app answers at ``server.url`` until the block ends."""
+    with LiveServer(app, host=host, port=port) as server:
+        yield server

@@ -1,0 +1,215 @@
+"""pytest plugin for apps that use flask-idempotency: ``pip install 'flask-idempotency[pytest]'``.
+
+Registered under the ``pytest11`` entry point ``flask_idempotency``, so pytest
+loads it wherever the package is installed. Loading it costs nothing beyond
+the package itself: it adds a few options and defines fixtures, and nothing
+happens until a test asks for a fixture by name. pytest-postgresql is not
+imported here; the fixtures reach it through its own plugin when they run.
+
+Fixtures:
+
+``idempotency_database``
+    A throwaway database with the extension's tables (an
+    :class:`~flask_idempotency.testing.IdempotencyDatabase`; ``.dsn`` is its URL).
+    A new one per test by default, cloned from a template migrated once per
+    session; ``--idempotency-db-scope=session`` shares one for the session.
+``idempotency_dsn``
+    That database's URL, for ``IDEMPOTENCY_DATABASE_URL``.
+``idempotency_live_server``
+    ``idempotency_live_server(app)`` serves a Flask app on a threaded HTTP server
+    in the test process; ``.url`` is where; stopped after the test.
+``idempotency_postgresql``
+    The PostgreSQL server (a pytest-postgresql executor): its ``postgresql_proc``
+    (configured by its own ``--postgresql-*`` options and ``postgresql_*`` ini
+    keys), or, with ``--idempotency-dsn`` (ini ``idempotency_dsn``, environment
+    ``IDEMPOTENCY_TEST_DSN``), an existing server through its noproc factory.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from flask import Flask
+
+    from flask_idempotency.testing.databases import IdempotencyDatabase
+    from flask_idempotency.testing.live_server import LiveServer
+
+#: Environment variable naming an existing server, as ``--idempotency-dsn`` does.
+DSN_ENV = "IDEMPOTENCY_TEST_DSN"
+
+#: The noproc fixture registered when a DSN is given.
+NOPROC_FIXTURE = "idempotency_postgresql_noproc"
+
+_SCOPES = ("function", "session")
+
+_INSTALL_HINT = (
+    "flask-idempotency's database fixtures need pytest-postgresql and its plugin: "
+    "pip install 'flask-idempotency[pytest]' (and no -p no:pytest_postgresql)"
+)
+
+_dsn_key = pytest.StashKey[str]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("flask-idempotency", "flask-idempotency fixtures")
+    group.addoption(
+        "--idempotency-dsn",
+        dest="idempotency_dsn",
+        metavar="DSN",
+        help=(
+            "PostgreSQL server for the idempotency_database fixture (its databases are "
+            f"created and dropped there) instead of starting one; also ${DSN_ENV}"
+        ),
+    )
+    group.addoption(
+        "--idempotency-db-scope",
+        dest="idempotency_db_scope",
+        choices=_SCOPES,
+        help="a new idempotency_database per test (function, the default) or one per session",
+    )
+    parser.addini("idempotency_dsn", "as --idempotency-dsn", default="")
+    parser.addini("idempotency_db_scope", "as --idempotency-db-scope", default="function")
+    parser.addini(
+        "idempotency_migration_dirs",
+        "your own NNNN_name.sql directories, applied after the extension's migrations "
+        "(relative to the ini file)",
+        type="linelist",
+        default=[],
+    )
+
+
+def _configured_dsn(config: pytest.Config) -> str:
+    return str(
+        config.getoption("idempotency_dsn")
+        or config.getini("idempotency_dsn")
+        or os.environ.get(DSN_ENV, "")
+    ).strip()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    dsn = _configured_dsn(config)
+    config.stash[_dsn_key] = dsn
+    if not dsn:
+        return
+    # An existing server was named: this run opted in, so pytest-postgresql is needed now.
+    try:
+        from pytest_postgresql import factories
+    except ImportError:
+        raise pytest.UsageError(f"--idempotency-dsn: {_INSTALL_HINT}") from None
+    from flask_idempotency.testing.databases import base_name, noproc_arguments
+
+    holder = types.ModuleType("flask_idempotency.testing._noproc_fixture")
+    setattr(
+        holder,
+        NOPROC_FIXTURE,
+        factories.postgresql_noproc(**noproc_arguments(dsn), dbname=base_name()),
+    )
+    config.pluginmanager.register(holder, "flask_idempotency_noproc")
+
+
+def _database_scope(fixture_name: str, config: pytest.Config) -> Any:
+    scope = str(config.getoption("idempotency_db_scope") or config.getini("idempotency_db_scope"))
+    if scope not in _SCOPES:
+        raise pytest.UsageError(f"idempotency_db_scope must be one of {_SCOPES}, not {scope!r}")
+    return scope
+
+
+def _migration_dirs(config: pytest.Config) -> list[str]:
+    base = config.inipath.parent if config.inipath is not None else config.rootpath
+    return [str(base / Path(entry)) for entry in config.getini("idempotency_migration_dirs")]
+
+
+@pytest.fixture(scope="session")
+def idempotency_postgresql(request: pytest.FixtureRequest) -> Any:
+    """The PostgreSQL server the idempotency databases live on (a pytest-postgresql executor)."""
+    dsn = request.config.stash[_dsn_key]
+    if dsn:
+        from flask_idempotency.testing.databases import check_reachable
+
+        try:
+            check_reachable(dsn)
+        except RuntimeError as exc:  # fail, never skip: a CI run without its database is red
+            pytest.fail(f"--idempotency-dsn is set but unusable: {exc}", pytrace=False)
+        return request.getfixturevalue(NOPROC_FIXTURE)
+    if not request.config.pluginmanager.has_plugin("pytest_postgresql"):
+        pytest.fail(_INSTALL_HINT, pytrace=False)
+    return request.getfixturevalue("postgresql_proc")
+
+
+@pytest.fixture(scope="session")
+def idempotency_database_template(
+    request: pytest.FixtureRequest, idempotency_postgresql: Any
+) -> Iterator[str]:
+    """Name of the session's template database: the extension's tables, migrated once."""
+    from flask_idempotency.testing import databases
+
+    server = idempotency_postgresql
+    dsn = request.config.stash[_dsn_key] or None
+    extra_dirs = _migration_dirs(request.config)
+    if dsn is not None:
+        # pytest-postgresql's noproc factory made this template (with any postgresql_load).
+        name = str(server.template_dbname)
+        databases.migrate(databases.dsn_for(server, name, dsn=dsn), extra_dirs)
+        yield name
+        return
+    # On its process fixture's server: a copy of its template (with any postgresql_load).
+    name = f"{databases.base_name()}_tmpl"
+    janitor = databases.janitor(server, name, getattr(server, "template_dbname", None))
+    janitor.init()
+    try:
+        databases.migrate(databases.dsn_for(server, name), extra_dirs)
+        yield name
+    finally:
+        janitor.drop()
+
+
+@pytest.fixture(scope=_database_scope)
+def idempotency_database(
+    request: pytest.FixtureRequest, idempotency_postgresql: Any, idempotency_database_template: str
+) -> Iterator[IdempotencyDatabase]:
+    """A throwaway database with the extension's tables; ``.dsn`` is its URL."""
+    from flask_idempotency.testing import databases
+
+    server = idempotency_postgresql
+    name = databases.next_name(databases.base_name())
+    janitor = databases.janitor(server, name, idempotency_database_template)
+    janitor.init()
+    try:
+        dsn = databases.dsn_for(server, name, dsn=request.config.stash[_dsn_key] or None)
+        yield databases.IdempotencyDatabase(name=name, dsn=dsn)
+    finally:
+        janitor.drop()  # also ends the connections the app's pool still holds
+
+
+@pytest.fixture(scope=_database_scope)
+def idempotency_dsn(idempotency_database: IdempotencyDatabase) -> str:
+    """The URL of ``idempotency_database``: your app's ``IDEMPOTENCY_DATABASE_URL``."""
+    return idempotency_database.dsn
+
+
+@pytest.fixture
+def idempotency_live_server() -> Iterator[Callable[[Flask], LiveServer]]:
+    """Factory: ``idempotency_live_server(app)`` -> a started LiveServer (``.url``).
+
+    A threaded HTTP server in this process, so concurrent requests really run
+    concurrently; stopped at the end of the test.
+    """
+    from flask_idempotency.testing.live_server import LiveServer
+
+    servers: list[LiveServer] = []
+
+    def serve(app: Flask) -> LiveServer:
+        server = LiveServer(app)
+        servers.append(server)
+        return server.start()
+
+    yield serve
+    for server in reversed(servers):
+        server.stop()
