@@ -13,12 +13,13 @@ from typing import Any
 
 from flask import Flask
 
-from example_app import charges
+from example_app import charges, observability, orders, receipts
 from example_app.auth import api_key_scope
 from example_app.config import apply_defaults, check_timeouts, config_from_env
 from example_app.embedded import embedded_database_url
 from example_app.errors import register_error_handlers
 from example_app.extensions import idempotency
+from example_app.fulfilment import client_for
 from example_app.processor_client import (
     HttpProcessorClient,
     InProcessProcessorClient,
@@ -35,19 +36,27 @@ def create_app(
     """Build the app; a bad configuration raises ``ValueError`` here, at start-up."""
     app = Flask(__name__, instance_path=instance_path, instance_relative_config=True)
     app.config.from_mapping(config_from_env(os.environ))
+    app.config.from_mapping(receipts.config_from_env(os.environ))
     if test_config is not None:
         app.config.from_mapping(test_config)
     timeout = check_timeouts(app.config)
     apply_defaults(app.config, api_key_scope)
+    receipts.apply_defaults(app.config)
     if app.config.get("IDEMPOTENCY_DATABASE_URL") is None and not app.config.get(
         "IDEMPOTENCY_POOL"
     ):
         app.config["IDEMPOTENCY_DATABASE_URL"] = embedded_database_url(app.instance_path)
 
     app.extensions[charges.PROCESSOR_CLIENT_KEY] = _processor_client(app.config, timeout)
+    app.extensions[orders.FULFILMENT_CLIENT_KEY] = app.config.get(
+        "FULFILMENT_CLIENT"
+    ) or client_for(app.config.get("FULFILMENT_URL"), timeout)
     idempotency.init_app(app)  # migrates (IDEMPOTENCY_AUTO_MIGRATE) under a lock
     register_error_handlers(app)
     app.register_blueprint(charges.bp)
+    app.register_blueprint(orders.bp)  # POST /v1/orders: the phases example
+    receipts.init_app(app)  # GET /v1/receipts (and the embedded path if EVENTS_EMBEDDED)
+    observability.init_app(app)  # GET /metrics; OTLP traces if OTEL_EXPORTER_OTLP_* is set
     return app
 
 

@@ -40,10 +40,14 @@ def owner_of(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def api_key_scope(req: Request) -> str:
-    """``IDEMPOTENCY_SCOPE_FUNC``: records belong to the API key, as charges do."""
+def api_key_scope(req: Request) -> str | None:
+    """``IDEMPOTENCY_SCOPE_FUNC``: records belong to the API key's owner, as charges do.
+
+    ``None`` without a key: no principal, so the extension refuses rather than pool
+    the request with others (``require_api_key`` answers 401 before that anyway).
+    """
     token = bearer_token(req.headers.get("Authorization"))
-    return owner_of(token) if token is not None else ""
+    return owner_of(token) if token is not None else None
 
 
 def missing_api_key() -> ApiError:

@@ -6,6 +6,9 @@ and the stored response commit together or not at all. A crash between the
 processor's answer and that commit leaves no row and no completion; the retry
 takes the record over after the lease and sends the same derived key, and the
 processor answers with the payment it already made instead of charging again.
+When no retry ever comes, ``flask idempotency recover`` runs ``recover_charge``:
+it asks the processor which payment was made under the derived key and records
+it exactly as the view would have, or releases the record if there is none.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+import time
 from typing import Any
 
 import psycopg2
-from flask import Blueprint, Response, current_app, jsonify, request, url_for
+from flask import Blueprint, Request, Response, current_app, g, jsonify, request, url_for
 from typing_extensions import assert_never
 
 from example_app.auth import current_owner, require_api_key
@@ -25,11 +29,12 @@ from example_app.extensions import idempotency
 from example_app.processor_client import (
     Charged,
     Declined,
+    NoPayment,
     ProcessorClient,
     ProcessorUnavailable,
 )
 from example_app.schemas import ChargeRequest, load_charge_request, load_customer_query
-from flask_idempotency import StoreUnavailable
+from flask_idempotency import Abandoned, StoreUnavailable
 from flask_idempotency.store import StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,9 @@ log = logging.getLogger(__name__)
 bp = Blueprint("charges", __name__)
 
 PROCESSOR_CLIENT_KEY = "processor_client"
+
+#: The event a created charge emits (CONTRACT §5); the receipts service consumes it.
+CHARGE_SUCCEEDED = "charge.succeeded"
 
 #: ``created`` is whole Unix seconds, as in the answers; ``seq`` breaks ties.
 _CHARGE_COLUMNS = (
@@ -94,9 +102,50 @@ def processor_client() -> ProcessorClient:
     return client
 
 
+def crash_drill_pause() -> None:
+    """``CRASH_DRILL_DELAY_SECONDS`` (0 anywhere real): linger at a point where a crash
+    leaves work half done, so crash drills can land a SIGKILL there."""
+    delay: float = current_app.config.get("CRASH_DRILL_DELAY_SECONDS") or 0.0
+    if delay > 0:
+        time.sleep(delay)
+
+
+def charge_recovery_data(req: Request) -> dict[str, str]:
+    """What recovering a charge needs besides its request: the owner, which the
+    record only holds hashed into its key (``require_api_key`` set it)."""
+    return {"owner": current_owner()}
+
+
+def recover_charge(attempt: Abandoned) -> Response | None:
+    """``flask idempotency recover``: settle a charge whose worker died.
+
+    It never charges: it asks the processor which payment was made under the
+    derived key the view sent. A payment is recorded exactly as the view would
+    have (charge row, ``charge.succeeded`` and the ``201``, in one transaction);
+    a decline is the stored ``402``; no payment releases the record (``None``),
+    so a later retry charges afresh; no certain answer is a ``502``, and the next
+    pass asks again.
+    """
+    charge = load_charge_request(request)  # the original body, as the view parsed it
+    g.api_owner = attempt.data["owner"]
+    outcome = processor_client().lookup(idempotency.derived_key("processor"))
+    match outcome:
+        case Charged(payment_id=payment_id):
+            return _record_charge(charge, payment_id)
+        case Declined():
+            return _declined()
+        case NoPayment():
+            return None
+        case ProcessorUnavailable(reason=reason):
+            log.warning("card processor lookup unavailable: %s", reason)
+            return _processor_unavailable()
+        case _:
+            assert_never(outcome)
+
+
 @bp.post("/v1/charges")
 @require_api_key
-@idempotency.required
+@idempotency.required(recover=recover_charge, recovery_data=charge_recovery_data)
 def create_charge() -> Response:
     charge = load_charge_request(request)
     outcome = processor_client().charge(
@@ -108,22 +157,31 @@ def create_charge() -> Response:
     )
     match outcome:
         case Charged(payment_id=payment_id):
+            crash_drill_pause()  # charged, not yet recorded: the gap recovery closes
             return _record_charge(charge, payment_id)
         case Declined():
-            # A final answer: stored by the extension and replayed to retries.
-            return json_error(402, "card_error", "card_declined", "The card was declined.")
+            return _declined()
         case ProcessorUnavailable(reason=reason):
-            # Unknown outcome: a 5xx stores nothing, and a retry asks the processor
-            # again under the same derived key, which cannot charge twice.
             log.warning("card processor unavailable: %s", reason)
-            return json_error(
-                502,
-                "api_error",
-                "processor_unavailable",
-                "The card processor did not answer; retry with the same Idempotency-Key.",
-            )
+            return _processor_unavailable()
         case _:
             assert_never(outcome)
+
+
+def _declined() -> Response:
+    # A final answer: stored by the extension and replayed to retries.
+    return json_error(402, "card_error", "card_declined", "The card was declined.")
+
+
+def _processor_unavailable() -> Response:
+    # Unknown outcome: a 5xx stores nothing, and a retry asks the processor again
+    # under the same derived key, which cannot charge twice.
+    return json_error(
+        502,
+        "api_error",
+        "processor_unavailable",
+        "The card processor did not answer; retry with the same Idempotency-Key.",
+    )
 
 
 def _record_charge(charge: ChargeRequest, payment_id: str) -> Response:
@@ -143,9 +201,15 @@ def _record_charge(charge: ChargeRequest, payment_id: str) -> Response:
         with conn.cursor() as cur:
             cur.execute(INSERT_CHARGE, params)
             row = cur.fetchone()
+            created = row is not None
             if row is None:
                 cur.execute(CHARGE_FOR_PAYMENT, (payment_id, owner))
                 row = cur.fetchone()
+        if created and row is not None:
+            # In the same transaction as the charge row and the stored answer: a
+            # released, rolled-back or fenced attempt emits nothing. A payment
+            # already recorded (a key reused after its TTL) emitted its event then.
+            idempotency.emit(CHARGE_SUCCEEDED, {**charge_json(row), "owner": owner})
     except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
         raise StoreUnavailable(retry_after=_retry_after()) from exc
     if row is None:

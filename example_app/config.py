@@ -40,6 +40,16 @@ def config_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         "MAX_CONTENT_LENGTH": _positive_int(
             environ, "MAX_CONTENT_LENGTH", DEFAULT_MAX_CONTENT_LENGTH
         ),
+        # ``stripe`` (default) or ``ietf``; the extension refuses anything else at start.
+        "IDEMPOTENCY_PROFILE": _text(environ, "IDEMPOTENCY_PROFILE") or "stripe",
+        # ``row`` (default) or ``transaction``: the README's "Claim modes".
+        "IDEMPOTENCY_CLAIM_MODE": _text(environ, "IDEMPOTENCY_CLAIM_MODE") or "row",
+        # The warehouse and mailer of POST /v1/orders; unset: an in-process fake.
+        "FULFILMENT_URL": _text(environ, "FULFILMENT_URL"),
+        # Seconds a charge lingers between the processor's answer and its commit, and
+        # an order after each phase, so crash drills can land a SIGKILL there. 0
+        # anywhere real.
+        "CRASH_DRILL_DELAY_SECONDS": _seconds_or_zero(environ, "CRASH_DRILL_DELAY_SECONDS"),
     }
 
 
@@ -81,6 +91,11 @@ def _text(environ: Mapping[str, str], name: str) -> str | None:
 def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     raw = environ.get(name, "").strip()
     return _as_seconds(name, raw) if raw else default
+
+
+def _seconds_or_zero(environ: Mapping[str, str], name: str) -> float:
+    raw = environ.get(name, "").strip()
+    return 0.0 if raw in ("", "0") else _as_seconds(name, raw)
 
 
 def _as_seconds(name: str, value: Any) -> float:

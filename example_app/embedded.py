@@ -1,11 +1,17 @@
 """An embedded PostgreSQL in the instance folder, for when ``DATABASE_URL`` is unset.
 
 So that ``gunicorn wsgi:app`` works on a laptop with nothing else installed.
-pgserver serialises start-up with an inter-process lock, so several gunicorn
-workers booting together start one server and share it. It is left running
-when they exit (``cleanup_mode=None``): a worker that is killed or recycled must
-not take the database away from the others, and the next start reuses it.
-Stop it with :func:`stop_embedded_postgres` (or ``pg_ctl -D <instance>/pgdata stop``).
+Under gunicorn.conf.py the master starts it before forking any worker, hands
+its URL to the workers as ``DATABASE_URL`` and stops it when it exits, if it
+started it (see ``on_starting`` and ``on_exit`` there). Elsewhere (``flask``
+commands, an app created in-process) the app starts or joins it itself.
+pgserver serialises start-up with an inter-process lock, so processes starting
+together share one server. It is never stopped by a process merely exiting
+(``cleanup_mode=None``): a worker that is killed or recycled must not take the
+database away from the others. Stop it with :func:`stop_embedded_postgres` (or
+``pg_ctl -D <instance>/pgdata stop``).
+
+This module imports nothing of the app, so gunicorn's master can load it alone.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -38,15 +45,45 @@ def embedded_database_url(instance_path: str) -> str:
     return url
 
 
-def stop_embedded_postgres(instance_path: str) -> bool:
-    """Ask the instance folder's PostgreSQL to shut down (fast mode); True if one ran."""
+def embedded_postgres_pid(instance_path: str) -> int | None:
+    """The pid of the instance folder's PostgreSQL while it runs, else ``None``."""
     pid_file = Path(instance_path) / PGDATA_DIR / "postmaster.pid"
     try:
         pid = int(pid_file.read_text().split("\n", 1)[0])
     except (OSError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: exists and is not a zombie (the postmaster is not our
+    child, and a container's init may be slow to reap it, or never do)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (macOS): trust kill(); with /proc, it exited meanwhile
+        return not Path("/proc/self").exists()
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def stop_embedded_postgres(instance_path: str, wait: float = 0.0) -> bool:
+    """Ask the instance folder's PostgreSQL to shut down (fast mode); True if one ran.
+
+    With ``wait``, return once it has exited, or after ``wait`` seconds.
+    """
+    pid = embedded_postgres_pid(instance_path)
+    if pid is None:
         return False
     try:
         os.kill(pid, signal.SIGINT)  # PostgreSQL's "fast shutdown"
     except ProcessLookupError:
         return False
+    deadline = time.monotonic() + wait
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return True

@@ -6,8 +6,9 @@ Use ONE worker process: the ledger and the keys live in that process's memory, s
 second worker would have its own ledger and could charge the same key twice. Give it
 threads, so that a call hanging in a "timeout" failure does not hold up the others.
 
-Besides ``POST /v1/charges`` it has routes for tests and demos, which a real processor
-would not: ``GET /v1/_ledger``, ``POST /v1/_control``, ``POST /v1/_reset``, ``GET /healthz``.
+Besides ``POST /v1/charges`` and its lookup, ``GET /v1/charges?idempotency_key=``, it
+has routes for tests and demos, which a real processor would not: ``GET /v1/_ledger``,
+``POST /v1/_control``, ``POST /v1/_reset``, ``GET /healthz``.
 
 The client side is re-exported here for convenience; ``example_app.processor_client``
 is the lighter import (it does not build this module's Flask app).
@@ -82,12 +83,19 @@ def create_app(processor: FakeProcessor | None = None) -> Flask:
         answer = fake.handle_charge(request.headers.get("Idempotency-Key"), body)
         return Response(answer.body, status=answer.status, content_type=answer.content_type)
 
+    @app.get("/v1/charges")
+    def lookup() -> Response:
+        # The payment made under a key, for recovering abandoned attempts (CONTRACT §3).
+        answer = fake.handle_lookup(request.args.get("idempotency_key"))
+        return Response(answer.body, status=answer.status, content_type=answer.content_type)
+
     @app.get("/v1/_ledger")
     def ledger() -> Response:
         return _json(
             200,
             {
                 "calls": _ledger_json(fake.ledger()),
+                "lookups": [{"key": key, "status": status} for key, status in fake.lookups()],
                 "keys": fake.summary(),
                 "switches": fake.switches(),
             },

@@ -11,17 +11,20 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import urlencode, urlsplit
 
 from example_app.processor_core import FakeProcessor
 from example_app.processor_protocol import (
     Charged,
     ChargeOutcome,
     Declined,
+    LookupOutcome,
+    NoPayment,
     ProcessorAnswer,
     ProcessorUnavailable,
+    lookup_from_answer,
     outcome_from_answer,
 )
 
@@ -32,6 +35,8 @@ __all__ = [
     "Declined",
     "HttpProcessorClient",
     "InProcessProcessorClient",
+    "LookupOutcome",
+    "NoPayment",
     "ProcessorClient",
     "ProcessorUnavailable",
     "outcome_from_answer",
@@ -49,11 +54,14 @@ MAX_ANSWER_BYTES = 64 * 1024
 
 
 class ProcessorClient(Protocol):
-    """One idempotent charge call; the same key must always be sent for the same charge."""
+    """One idempotent charge call; the same key must always be sent for the same charge.
+    ``lookup`` asks which payment, if any, was made under a key (recovery)."""
 
     def charge(
         self, idempotency_key: str, amount: int, currency: str, customer: str, source: str
     ) -> ChargeOutcome: ...
+
+    def lookup(self, idempotency_key: str) -> LookupOutcome: ...
 
 
 def _charge_body(amount: int, currency: str, customer: str, source: str) -> dict[str, object]:
@@ -89,12 +97,27 @@ class HttpProcessorClient:
             "Accept": "application/json",
             "Idempotency-Key": idempotency_key,
         }
+        answer = self._exchange("POST", self._path, body, headers)
+        if isinstance(answer, ProcessorUnavailable):
+            return answer
+        return outcome_from_answer(*answer)
+
+    def lookup(self, idempotency_key: str) -> LookupOutcome:
+        path = self._path + "?" + urlencode({"idempotency_key": idempotency_key})
+        answer = self._exchange("GET", path, None, {"Accept": "application/json"})
+        if isinstance(answer, ProcessorUnavailable):
+            return answer
+        return lookup_from_answer(*answer)
+
+    def _exchange(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> tuple[int, bytes] | ProcessorUnavailable:
         connection_class = (
             http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         )
         connection = connection_class(self._host, self._port, timeout=self.timeout_seconds)
         try:
-            connection.request("POST", self._path, body=body, headers=headers)
+            connection.request(method, path, body=body, headers=headers)
             response = connection.getresponse()
             data = response.read(MAX_ANSWER_BYTES + 1)
         except TimeoutError:
@@ -105,7 +128,7 @@ class HttpProcessorClient:
             connection.close()
         if len(data) > MAX_ANSWER_BYTES:
             return ProcessorUnavailable(f"processor answered {response.status} with a huge body")
-        return outcome_from_answer(response.status, data)
+        return response.status, data
 
 
 class InProcessProcessorClient:
@@ -128,12 +151,26 @@ class InProcessProcessorClient:
         self, idempotency_key: str, amount: int, currency: str, customer: str, source: str
     ) -> ChargeOutcome:
         body = _charge_body(amount, currency, customer, source)
+        answer = self._call(lambda: self.processor.handle_charge(idempotency_key, body))
+        if isinstance(answer, ProcessorUnavailable):
+            return answer
+        return outcome_from_answer(answer.status, answer.body)
+
+    def lookup(self, idempotency_key: str) -> LookupOutcome:
+        answer = self._call(lambda: self.processor.handle_lookup(idempotency_key))
+        if isinstance(answer, ProcessorUnavailable):
+            return answer
+        return lookup_from_answer(answer.status, answer.body)
+
+    def _call(
+        self, handle: Callable[[], ProcessorAnswer]
+    ) -> ProcessorAnswer | ProcessorUnavailable:
         answers: list[ProcessorAnswer] = []
         errors: list[Exception] = []
 
         def call() -> None:
             try:
-                answers.append(self.processor.handle_charge(idempotency_key, body))
+                answers.append(handle())
             except Exception as exc:  # a bug in the fake must look like a 500, not a hang
                 errors.append(exc)
 
@@ -144,7 +181,7 @@ class InProcessProcessorClient:
             return ProcessorUnavailable(f"processor raised {errors[0]!r}")
         if not answers:
             return ProcessorUnavailable(f"no answer within {self.timeout_seconds} s")
-        return outcome_from_answer(answers[0].status, answers[0].body)
+        return answers[0]
 
 
 _SHARED_PROCESSOR = FakeProcessor()

@@ -21,6 +21,7 @@ from example_app.processor_protocol import (
     IN_PROGRESS,
     INTERNAL_ERROR,
     MISMATCH,
+    NOT_FOUND,
     ChargeParams,
     InvalidChargeRequest,
     ProcessorAnswer,
@@ -87,6 +88,8 @@ class FakeProcessor:
     def _init_state(self) -> None:
         self._keys: dict[str, _KeyRecord] = {}
         self._ledger: list[LedgerEntry] = []
+        #: Lookups by key, with the status each got (not in the ledger of calls).
+        self._lookups: list[tuple[str, int]] = []
         self._latency = 0.0
         self._failures_left = 0
         self._failure_mode: FailureMode = "500"
@@ -212,6 +215,27 @@ class FakeProcessor:
             self._record(key, params, sent.status, outcome, payment_id, charged=status == 200)
             return sent
 
+    def handle_lookup(self, key: str | None) -> ProcessorAnswer:
+        """``GET /v1/charges?idempotency_key=``: the payment made under ``key`` as
+        ``200 {"id", "status"}`` (``succeeded`` or ``declined``), ``404`` if none was,
+        ``409`` while a call under the key is still deciding. Answered at once, from
+        the key's history; the failure switches apply to charges only."""
+        try:
+            checked_key = check_key(key)
+        except InvalidChargeRequest as exc:
+            return json_answer(400, {"status": "error", "code": exc.code, "message": str(exc)})
+        with self._lock:
+            record = self._keys.get(checked_key)
+            if record is None:
+                answer = NOT_FOUND
+            elif record.answer is None:
+                answer = IN_PROGRESS
+            else:
+                payment = json.loads(record.answer.body)
+                answer = json_answer(200, {"id": payment["id"], "status": payment["status"]})
+            self._lookups.append((checked_key, answer.status))
+        return answer
+
     def _record(
         self,
         key: str | None,
@@ -229,6 +253,11 @@ class FakeProcessor:
     def ledger(self) -> list[LedgerEntry]:
         with self._lock:
             return list(self._ledger)
+
+    def lookups(self) -> list[tuple[str, int]]:
+        """Every lookup so far: ``(key, status answered)``."""
+        with self._lock:
+            return list(self._lookups)
 
     def calls_for(self, key: str) -> int:
         return sum(1 for entry in self.ledger() if entry.key == key)

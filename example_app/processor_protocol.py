@@ -118,6 +118,20 @@ class ProcessorUnavailable:
 ChargeOutcome: TypeAlias = Charged | Declined | ProcessorUnavailable
 
 
+@dataclass(frozen=True)
+class NoPayment:
+    """A lookup's ``404``: no charge was ever made under that key (the processor never
+    saw the call, or refused it before acting)."""
+
+
+#: What ``GET /v1/charges?idempotency_key=`` tells: the payment made under the key
+#: (``Charged``/``Declined``), none (``NoPayment``), or nothing certain (a call under
+#: the key still running, an error, no answer: ``ProcessorUnavailable``).
+LookupOutcome: TypeAlias = Charged | Declined | NoPayment | ProcessorUnavailable
+
+NOT_FOUND = json_answer(404, {"status": "error", "code": "not_found"})
+
+
 def outcome_from_answer(status: int, body: bytes) -> ChargeOutcome:
     """Read a processor answer strictly: only the protocol's exact shapes count."""
     if status not in (200, 402):
@@ -134,6 +148,27 @@ def outcome_from_answer(status: int, body: bytes) -> ChargeOutcome:
     if not isinstance(payment_id, str) or not payment_id.startswith("py_"):
         return ProcessorUnavailable(f"processor answered {status} without a py_ id")
     return Charged(payment_id) if status == 200 else Declined(payment_id)
+
+
+def lookup_from_answer(status: int, body: bytes) -> LookupOutcome:
+    """Read a lookup's answer strictly: ``200`` with a payment, ``404``, or unknown."""
+    if status == 404:
+        return NoPayment()
+    if status != 200:
+        return ProcessorUnavailable(f"processor answered the lookup with {status}")
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return ProcessorUnavailable("processor answered the lookup with a body that is not JSON")
+    state = payload.get("status") if isinstance(payload, dict) else None
+    payment_id = payload.get("id") if isinstance(payload, dict) else None
+    if not isinstance(payment_id, str) or not payment_id.startswith("py_"):
+        return ProcessorUnavailable("processor answered the lookup without a py_ id")
+    if state == "succeeded":
+        return Charged(payment_id)
+    if state == "declined":
+        return Declined(payment_id)
+    return ProcessorUnavailable(f"processor answered the lookup with status {state!r}")
 
 
 def _error_code(body: bytes) -> str | None:

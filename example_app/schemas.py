@@ -80,6 +80,35 @@ class ChargeRequestSchema(Schema):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class OrderRequest:
+    sku: str
+    quantity: int
+    amount: int
+    currency: str
+    customer: str
+    source: str
+
+
+class OrderRequestSchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    sku = _short_text()
+    quantity = JsonInteger(required=True, strict=True, validate=validate.Range(1, 1000))
+    amount = JsonInteger(required=True, strict=True, validate=validate.Range(1, MAX_AMOUNT))
+    currency = fields.String(
+        required=True,
+        validate=validate.Regexp(r"[A-Za-z]{3}\Z", error="Must be 3 ASCII letters."),
+    )
+    customer = _short_text()
+    source = _short_text()
+
+    @post_load
+    def make_request(self, data: dict[str, Any], **kwargs: Any) -> OrderRequest:
+        return OrderRequest(**{**data, "currency": data["currency"].lower()})
+
+
 class ListChargesSchema(Schema):
     class Meta:
         unknown = "exclude"
@@ -119,6 +148,15 @@ def load_charge_request(req: Request) -> ChargeRequest:
     body = json_object_body(req)
     try:
         loaded: ChargeRequest = ChargeRequestSchema().load(body)
+    except ValidationError as exc:
+        raise validation_failed(exc.messages) from None
+    return loaded
+
+
+def load_order_request(req: Request) -> OrderRequest:
+    body = json_object_body(req)
+    try:
+        loaded: OrderRequest = OrderRequestSchema().load(body)
     except ValidationError as exc:
         raise validation_failed(exc.messages) from None
     return loaded
