@@ -2,9 +2,10 @@
 
 Run-wide servers: ``database_url`` and ``redis_url`` come from DATABASE_URL
 and REDIS_URL when those are set (CI, or a developer's own servers), else
-from throwaway servers started once for the run.  A URL that is set but
-unreachable fails the tests that need it instead of skipping them: a CI run
-whose database went missing must not come out green.
+from throwaway servers started once for the run (PostgreSQL through
+pytest-postgresql's process fixture, ``postgresql_server``).  A URL that is
+set but unreachable fails the tests that need it instead of skipping them: a
+CI run whose database went missing must not come out green.
 
 Per test: ``clean_db`` and ``clean_redis`` reset those servers, and the
 factories below give a test its own proxies, gunicorns or servers, closed at
@@ -20,7 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pytest_postgresql import factories
 
+from flask_idempotency.testing.databases import dsn_for, noproc_arguments
+from support.postgres_proc import SERVER_OPTIONS, pg_ctl_executable, watchdog
 from support.servers import (
     GunicornFactory,
     GunicornServer,
@@ -34,20 +38,67 @@ from support.servers import (
     truncate_public_tables,
 )
 
+# The run's PostgreSQL server, as pytest-postgresql sees it: without DATABASE_URL
+# its process fixture starts one from pgserver's binaries (support/postgres_proc.py:
+# how, as root too); with DATABASE_URL its noproc fixture points at that server.
+DATABASE_URL = os.environ.get("DATABASE_URL", "").strip() or None
+_PG_CTL_ERROR: str | None = None
+if DATABASE_URL is None:
+    try:
+        _pg_ctl: str | None = pg_ctl_executable()
+    except RuntimeError as exc:  # reported by the tests that need the server, not at import
+        _pg_ctl, _PG_CTL_ERROR = None, str(exc)
+    _postgresql_server: Any = factories.postgresql_proc(
+        executable=_pg_ctl, host="127.0.0.1", port=None, postgres_options=SERVER_OPTIONS
+    )
+else:
+    _postgresql_server = factories.postgresql_noproc(
+        **noproc_arguments(DATABASE_URL), dbname=f"idem_tests_{os.getpid()}"
+    )
+
 
 @pytest.fixture(scope="session")
-def database_url() -> Iterator[str]:
-    """The run's PostgreSQL: $DATABASE_URL, else a throwaway server."""
-    url = os.environ.get("DATABASE_URL")
-    if url:
-        try:
-            check_postgres(url)
-        except RuntimeError as exc:
-            pytest.fail(f"DATABASE_URL is set but unusable: {exc}", pytrace=False)
-        yield url
+def postgresql_server(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """pytest-postgresql's executor for the run's server (``.host``, ``.port``...)."""
+    if DATABASE_URL is not None:
+        check_database_url()
+        yield request.getfixturevalue("_postgresql_server")
         return
-    with ThrowawayPostgres() as server:
-        yield server.dsn
+    if _PG_CTL_ERROR is not None:
+        pytest.fail(_PG_CTL_ERROR, pytrace=False)
+    server = request.getfixturevalue("_postgresql_server")
+    with watchdog(server):
+        yield server
+
+
+#: A database of the test's own on the run's server, created from pytest-postgresql's
+#: template and dropped after the test (a psycopg 3 connection to it).
+fresh_database = factories.postgresql("postgresql_server")
+
+
+@pytest.fixture
+def fresh_database_url(fresh_database: Any, postgresql_server: Any) -> str:
+    """The URL of ``fresh_database``."""
+    return dsn_for(postgresql_server, fresh_database.info.dbname, dsn=DATABASE_URL)
+
+
+def check_database_url() -> None:
+    """Fail (never skip) when DATABASE_URL is set but its server does not answer."""
+    assert DATABASE_URL is not None
+    try:
+        check_postgres(DATABASE_URL)
+    except RuntimeError as exc:
+        pytest.fail(f"DATABASE_URL is set but unusable: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def database_url(request: pytest.FixtureRequest) -> str:
+    """The run's PostgreSQL: $DATABASE_URL, else the ``postgres`` database of the
+    server pytest-postgresql started."""
+    if DATABASE_URL is not None:
+        check_database_url()
+        return DATABASE_URL
+    return dsn_for(request.getfixturevalue("postgresql_server"), "postgres")
 
 
 @pytest.fixture(scope="session")

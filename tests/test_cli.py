@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg2
+import pytest
 from flask import Flask
 
+from flask_idempotency import global_scope
 from flask_idempotency.store import migrations
 
 MakeApp = Callable[..., Flask]
@@ -136,3 +138,90 @@ def test_stats_and_metrics_count_what_happened(make_app: MakeApp, database_url: 
     assert metrics["released"] == 1
     assert metrics["replayed_from_store"] == 1
     assert metrics["key_reused"] == 1
+
+
+@pytest.fixture
+def example_app(clean_db: str) -> Iterator[Flask]:
+    """The example payments API, which scopes records by the API key's owner."""
+    from example_app import create_app
+    from example_app.processor_client import InProcessProcessorClient
+    from example_app.processor_core import FakeProcessor
+
+    app = create_app(
+        {
+            "TESTING": True,
+            "DATABASE_URL": clean_db,
+            "REDIS_URL": None,
+            "PROCESSOR_URL": None,
+            "PROCESSOR_CLIENT": InProcessProcessorClient(FakeProcessor(), 2.0),
+        }
+    )
+    yield app
+    app.extensions["idempotency"].close()
+
+
+def test_show_and_unlock_find_the_example_apps_records_by_authorization(
+    example_app: Flask, clean_db: str
+) -> None:
+    """The README's own commands: the scope is the app's (the API key's owner),
+    computed from the given header by the app's scope function."""
+    body = {"amount": 1500, "currency": "usd", "customer": "cus_1", "source": "tok_visa"}
+    sent = {"Authorization": "Bearer sk_test_cli", "Idempotency-Key": "order-1"}
+    assert example_app.test_client().post("/v1/charges", json=body, headers=sent).status_code == 201
+
+    shown = run(example_app, "show", "order-1", "--authorization", "Bearer sk_test_cli")
+    assert shown.exit_code == 0, shown.output
+    assert "state: completed" in shown.output and "status: 201" in shown.output
+    as_header = run(example_app, "show", "order-1", "--header", "authorization: Bearer sk_test_cli")
+    assert as_header.exit_code == 0, as_header.output
+    other = run(example_app, "show", "order-1", "--authorization", "Bearer sk_test_other")
+    assert other.exit_code != 0 and "no record" in other.output
+
+    execute(clean_db, "UPDATE idempotency_records SET state = 'processing', lock_token = 1")
+    unlocked = run(example_app, "unlock", "order-1", "--authorization", "Bearer sk_test_cli")
+    assert unlocked.exit_code == 0, unlocked.output
+    assert execute(clean_db, "SELECT count(*) FROM idempotency_records") == [(0,)]
+
+
+def test_show_says_when_the_scope_function_finds_no_principal(example_app: Flask) -> None:
+    for args in ([], ["--authorization", "Basic dXNlcjpwdw=="], ["--header", "X-Other: 1"]):
+        result = run(example_app, "show", "order-1", *args)
+        assert result.exit_code != 0
+        assert "finds no principal" in result.output and "--scope" in result.output
+        assert "Traceback" not in result.output
+
+
+def test_scope_options_are_checked(make_app: MakeApp) -> None:
+    app = make_app()
+    both = run(app, "show", "k", "--scope", "user:1", "--authorization", "Bearer sk_1")
+    assert both.exit_code != 0 and "not both" in both.output
+    bad = run(app, "show", "k", "--header", "no colon here")
+    assert bad.exit_code != 0 and "Name: value" in bad.output
+    twice = run(
+        app, "show", "k", "--authorization", "Bearer a", "--header", "Authorization: Bearer b"
+    )
+    assert twice.exit_code != 0
+
+
+def test_show_takes_a_raw_scope_and_the_global_scope_needs_no_option(make_app: MakeApp) -> None:
+    user_app = make_app(IDEMPOTENCY_SCOPE_FUNC=lambda req: "user:42")
+    charge(user_app, "by-user")
+    assert "state: completed" in run(user_app, "show", "by-user", "--scope", "user:42").output
+    assert run(user_app, "show", "by-user", "--scope", "user:7").exit_code != 0
+
+    single = make_app(IDEMPOTENCY_SCOPE_FUNC=global_scope)
+    charge(single, "shared")
+    result = run(single, "show", "shared")
+    assert result.exit_code == 0, result.output
+    assert "state: completed" in result.output
+
+
+def test_a_failing_scope_function_is_reported_without_a_traceback(make_app: MakeApp) -> None:
+    def needs_a_view(req: Any) -> str:
+        raise KeyError("user")
+
+    app = make_app(IDEMPOTENCY_SCOPE_FUNC=needs_a_view)
+    result = run(app, "show", "k", "--authorization", "Bearer sk_1")
+    assert result.exit_code != 0
+    assert "failed for these headers" in result.output and "--scope" in result.output
+    assert "Traceback" not in result.output

@@ -9,6 +9,7 @@ from typing import Any
 
 import psycopg2
 
+from support.core_app import CLIENT_AUTHORIZATION
 from support.http_client import HttpResponse, http_request
 
 GunicornFactory = Callable[..., Any]
@@ -32,7 +33,11 @@ def storm(url: str, key: str, body: dict[str, Any], clients: int) -> list[HttpRe
     def client() -> None:
         barrier.wait()
         response = http_request(
-            "POST", url + "/charges", {"Idempotency-Key": key}, json=body, timeout=30
+            "POST",
+            url + "/charges",
+            {"Idempotency-Key": key, "Authorization": CLIENT_AUTHORIZATION},
+            json=body,
+            timeout=30,
         )
         with lock:
             results.append(response)
@@ -94,7 +99,11 @@ def test_many_keys_in_parallel_each_run_once(
     def client(key: str) -> None:
         barrier.wait()
         response = http_request(
-            "POST", server.url + "/charges", {"Idempotency-Key": key}, json={"k": key}, timeout=30
+            "POST",
+            server.url + "/charges",
+            {"Idempotency-Key": key, "Authorization": CLIENT_AUTHORIZATION},
+            json={"k": key},
+            timeout=30,
         )
         with lock:
             results[key].append(response.status)

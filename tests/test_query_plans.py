@@ -92,7 +92,7 @@ def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
         before = _sequential_scans(cur)
         cur.execute(
             store.claim_sql(conn),
-            {"key": key, "fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0},
+            {"key": key, "fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0, "recovery": None},
         )
         assert cur.fetchone() is not None
         assert _sequential_scans(cur) == before, "the claim scanned the whole table"

@@ -317,11 +317,11 @@ def test_large_binary_body_is_compressed_and_replayed_byte_for_byte(
 ) -> None:
     app = make_pay_app()
     client = app.test_client()
-    headers = {"Idempotency-Key": "blob-1"}
+    headers = {"Idempotency-Key": "blob-1", "Authorization": "Bearer blob"}
     first = client.post("/blob", data=b"x", headers=headers)
     assert first.data == BLOB
 
-    raw = r.get(redis_cache(app).key(record_key("", "blob-1")))
+    raw = r.get(redis_cache(app).key(rkey("blob-1", "Bearer blob")))
     assert raw is not None
     assert raw[1] & codec.FLAG_COMPRESSED and len(raw) < len(BLOB) // 2
 

@@ -13,7 +13,12 @@ slower benchmark:
 - PostgreSQL replay, and a duplicate that finds the key in progress: the
   claim statement alone;
 - with Redis: a replay is one GET and no PostgreSQL at all; a first request
-  adds a GET (the miss) before the claim and a SET after the commit.
+  adds a GET (the miss) before the claim and a SET after the commit;
+- in the transaction claim mode, a first request is two round trips of the
+  extension's in all: the claim opens the business transaction (no BEGIN of
+  its own, no commit of the claim's) and the completed record rides on the
+  COMMIT; a replay from PostgreSQL or a 409 adds the ROLLBACK of the
+  transaction the claim opened.
 
 Statements are counted by a psycopg2 connection subclass given to the pool
 through ``IDEMPOTENCY_CONNECT_KWARGS``, Redis commands by a redis-py client
@@ -153,6 +158,10 @@ def kinds(trace: Trace) -> list[str]:
 
 def _statement_kind(sql: str) -> str:
     flat = " ".join(sql.split())
+    if "idempotency_claim_in_transaction" in flat:  # IDEMPOTENCY_CLAIM_MODE = "transaction"
+        return "BEGIN+claim" if flat.startswith("BEGIN;") else flat
+    if "idempotency_insert_completed" in flat:
+        return "insert completed+COMMIT" if flat.rstrip().endswith("COMMIT") else flat
     # The claim as one statement, or as a prepared statement's EXECUTE (with its
     # PREPARE in front on a connection's first use - still one round trip).
     if "INSERT INTO idempotency_records" in flat or "EXECUTE idempotency_claim" in flat:
@@ -350,4 +359,74 @@ class TestWithRedis:
         assert response.headers["Idempotent-Replayed"] == "true"
         assert kinds(trace) == ["GET", "claim", "SET"]
         _again, trace = subject.counted("evicted-1")
+        assert kinds(trace) == ["GET"]
+
+
+TRANSACTION_MODE = {"IDEMPOTENCY_CLAIM_MODE": "transaction"}
+
+
+class TestTransactionClaimMode:
+    def test_first_request_is_the_claim_opening_the_transaction_and_the_commit(
+        self, make_subject: MakeSubject, clean_db: str
+    ) -> None:
+        subject = make_subject("pg", **TRANSACTION_MODE)
+        response, trace = subject.counted("tx-first-1")
+        assert response.status_code == 201
+        assert response.headers["Idempotent-Replayed"] == "false"
+        assert kinds(trace) == [
+            "BEGIN+claim",  # the claim opens the business transaction: no BEGIN of its own
+            "business INSERT",
+            "insert completed+COMMIT",  # one commit per request, as in a bare app
+        ]
+        with psycopg2.connect(clean_db) as conn, conn.cursor() as cur:
+            cur.execute("SELECT state FROM idempotency_records")
+            assert cur.fetchall() == [("completed",), ("completed",)]  # and the warm-up's
+        conn.close()
+
+    def test_postgres_replay_is_the_claim_and_its_rollback(self, make_subject: MakeSubject) -> None:
+        subject = make_subject("pg", **TRANSACTION_MODE)
+        first = subject.post("tx-replay-1")
+        response, trace = subject.counted("tx-replay-1")
+        assert response.headers["Idempotent-Replayed"] == "true"
+        assert response.get_data() == first.get_data()
+        assert kinds(trace) == ["BEGIN+claim", "ROLLBACK"]
+
+    def test_duplicate_of_an_in_progress_key_is_the_claim_and_its_rollback(
+        self, make_subject: MakeSubject
+    ) -> None:
+        subject = make_subject("pg", **TRANSACTION_MODE)
+        state = subject.app.extensions["idempotency"]
+        record_key = keys.record_key("", "tx-hot-1")
+        request_fp = fingerprint("POST", CHARGES_PATH, b"", "application/json", REQUEST_BODY)
+        holder = state.store.begin()
+        try:
+            assert isinstance(holder.claim(record_key, request_fp, lease=30, ttl=60), Claimed)
+            subject.trace.clear()
+            response, trace = subject.counted("tx-hot-1")
+            other = subject.client.post(
+                CHARGES_PATH,
+                data=b'{"amount": 1}',
+                headers={"Content-Type": "application/json", "Idempotency-Key": "tx-hot-1"},
+            )
+        finally:
+            holder.close()
+        assert response.status_code == 409
+        assert other.status_code == 422  # a different request under a running key
+        assert kinds(trace) == ["BEGIN+claim", "ROLLBACK"]
+
+    @pytest.mark.skipif(REDIS_CACHE_MISSING, reason="no Redis cache in this checkout")
+    def test_with_redis_the_first_request_adds_a_get_and_a_set(
+        self, make_subject: MakeSubject, clean_redis: str
+    ) -> None:
+        subject = make_subject("pg+redis", redis_url=clean_redis, **TRANSACTION_MODE)
+        response, trace = subject.counted("tx-cached-1")
+        assert response.status_code == 201
+        assert kinds(trace) == [
+            "GET",
+            "BEGIN+claim",
+            "business INSERT",
+            "insert completed+COMMIT",
+            "SET",
+        ]
+        _again, trace = subject.counted("tx-cached-1")
         assert kinds(trace) == ["GET"]

@@ -311,10 +311,12 @@ def test_expired_record_is_treated_as_absent(make_app: MakeApp, database_url: st
 
 
 def test_route_ttl_override_is_stored(make_app: MakeApp, database_url: str) -> None:
+    """The TTL counts from the stored answer: it is replayable that long after."""
     app = make_app()
     post(app, {}, path="/optional")
     [(seconds,)] = sql(
-        database_url, "SELECT extract(epoch FROM expires_at - created_at) FROM idempotency_records"
+        database_url,
+        "SELECT extract(epoch FROM expires_at - completed_at) FROM idempotency_records",
     )
     assert float(seconds) == pytest.approx(3600)
 
@@ -345,10 +347,26 @@ def test_keys_are_not_stored_raw(make_app: MakeApp, database_url: str) -> None:
     assert len(bytes(record_key)) == 32
 
 
-def test_oversized_response_is_rolled_back_not_half_stored(
+def test_oversized_response_kept_and_stored_without_its_body(
     make_app: MakeApp, database_url: str
 ) -> None:
+    """The default: a charge the view made is recorded; a retry learns it happened."""
     app = make_app(IDEMPOTENCY_MAX_STORED_BODY=1000)
+    first = post(app, {"big": 5000})
+    assert first.status_code == 201 and len(first.data) > 5000
+    assert sql(database_url, "SELECT count(*) FROM core_business_rows") == [(1,)]
+    retry = post(app, {"big": 5000})
+    assert (retry.status_code, retry.data) == (201, b"")
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.headers["Idempotency-Replay"] == "omitted"
+    assert retry.headers["Location"] == first.headers["Location"]
+    assert runs(app) == ["charges"]
+
+
+def test_oversized_response_is_rolled_back_not_half_stored_when_rejected(
+    make_app: MakeApp, database_url: str
+) -> None:
+    app = make_app(IDEMPOTENCY_MAX_STORED_BODY=1000, IDEMPOTENCY_OVERSIZE="reject")
     response = post(app, {"big": 5000})
     assert response.status_code == 500
     assert json.loads(response.data)["error"]["code"] == "response_too_large"

@@ -132,9 +132,9 @@ def test_throwaway_postgres_keeps_data_and_port_across_stops(
 
 
 def test_truncate_empties_public_tables_but_keeps_migration_records(
-    throwaway_postgres: ThrowawayPostgres,
+    fresh_database_url: str,
 ) -> None:
-    dsn = throwaway_postgres.dsn
+    dsn = fresh_database_url
     _fetch(
         dsn,
         """

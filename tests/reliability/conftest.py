@@ -12,16 +12,13 @@ the end of the run, so a CI log shows them whatever pytest's capture mode.
 
 from __future__ import annotations
 
-import faulthandler
-import secrets
-import sys
-import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
 
 from .figures import REPORTED, Figures
+from .fixtures import api_key, run_id, time_limited, write_figures
 from .stack import Stack, StackOptions, drop_stale_databases, own_database, running_stack
 
 #: Hard limit for one test (not its module's stack start-up, which has its own):
@@ -39,25 +36,14 @@ def figures(request: pytest.FixtureRequest) -> Figures:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not REPORTED:
-        return
-    terminalreporter.section("reliability figures")
-    for test, values in REPORTED:
-        terminalreporter.write_line(f"{test}:")
-        for name, value in values.items():
-            terminalreporter.write_line(f"    {name}: {value}")
+    write_figures(terminalreporter, "reliability figures", REPORTED)
 
 
 @pytest.fixture(autouse=True)
 def time_limit() -> Iterator[None]:
     """Dump all stacks and exit if one test runs past ``TEST_TIME_LIMIT``."""
-    faulthandler.dump_traceback_later(TEST_TIME_LIMIT, exit=True, file=sys.stderr)
-    started = time.monotonic()
-    try:
+    with time_limited(TEST_TIME_LIMIT):
         yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        print(f"[time] {time.monotonic() - started:.1f} s")
 
 
 @pytest.fixture(scope="session")
@@ -83,13 +69,4 @@ def stack(server_database_url: str, stack_redis_url: str) -> Iterator[Stack]:
             yield running
 
 
-@pytest.fixture
-def run_id() -> str:
-    """A prefix unique to this test, for its customers (and so its ledger entries)."""
-    return f"cus_{secrets.token_hex(3)}_"
-
-
-@pytest.fixture
-def api_key() -> str:
-    """A fresh API key: a tenant whose records no other test can have touched."""
-    return f"sk_test_{secrets.token_hex(8)}"
+__all__ = ["api_key", "run_id"]  # fixtures shared with the other suite

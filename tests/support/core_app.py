@@ -6,6 +6,12 @@ recorded twice: in memory (``app.extensions["runs"]``) for in-process tests,
 and in ``core_executions`` through a separate autocommit connection, so a
 multi-process server's executions can be counted even when the attempt is
 later rolled back.
+
+The app keeps the extension's default scope function, so its clients send
+credentials as a real API client would: ``app.test_client()`` sends
+``CLIENT_AUTHORIZATION`` unless a request sets its own ``Authorization``
+(gunicorn-served tests send it themselves). A test of a request without any
+principal uses a plain ``flask.testing.FlaskClient``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 
 import psycopg2
 from flask import Flask, Response, abort, jsonify, request
+from flask.testing import FlaskClient
 
 from flask_idempotency import Idempotency
 
@@ -30,6 +37,18 @@ CREATE TABLE IF NOT EXISTS core_executions (
     id bigserial PRIMARY KEY, label text NOT NULL, pid integer NOT NULL
 );
 """
+
+
+#: The API key the core app's clients send by default.
+CLIENT_AUTHORIZATION = "Bearer core-test-client"
+
+
+class CredentialedClient(FlaskClient):
+    """A test client that sends ``CLIENT_AUTHORIZATION`` unless told otherwise."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.environ_base["HTTP_AUTHORIZATION"] = CLIENT_AUTHORIZATION
 
 
 class Gates:
@@ -67,6 +86,7 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
     conn.close()
 
     idempotency = Idempotency(app)
+    app.test_client_class = CredentialedClient
     runs: list[str] = []
     gates = Gates()
     app.extensions["runs"] = runs

@@ -8,6 +8,15 @@ exact moment (psycopg's ``tests/fix_proxy.py`` does the same with
 While cut, the proxy still accepts connections but resets them at once, so a
 client fails fast (as when a server is down), and its port stays ours so
 ``restore()`` cannot find it taken.
+
+While stalled (``stall()``), it forwards nothing in either direction but keeps
+every socket open and still accepts new connections, which then wait: the
+client sees a server that stopped answering without closing anything (a
+partition, a failover that moved the address, a proxy that hangs). TCP
+keepalives and server-side timeouts cannot see that, since the proxy still
+ACKs every byte. ``resume()`` forwards again what was held (a healed
+partition), or with ``reset=True`` resets every connection opened before it
+(the old address is gone, as after a failover).
 """
 
 from __future__ import annotations
@@ -57,10 +66,15 @@ class _Link:
                 pass
 
     def pump(
-        self, src: socket.socket, dst: socket.socket, on_closed: Callable[[_Link], None]
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        on_closed: Callable[[_Link], None],
+        flowing: threading.Event,
     ) -> None:
         try:
             while data := src.recv(65536):
+                flowing.wait()  # held, not dropped, while the proxy is stalled
                 dst.sendall(data)
             dst.shutdown(socket.SHUT_WR)  # pass the half-close on
         except OSError:
@@ -95,6 +109,12 @@ class TcpProxy(ClosesOnExit):
         self._lock = threading.Lock()
         self._cut = False
         self._closed = False
+        #: Set while bytes flow; cleared by ``stall()``.
+        self._flowing = threading.Event()
+        self._flowing.set()
+        #: How many ``resume(reset=True)`` happened: a connection accepted before
+        #: one of them is reset instead of connected.
+        self._resets = 0
         self._links: set[_Link] = set()
         self._threads: list[threading.Thread] = []
         self._listener = socket.create_server((LOOPBACK, 0))
@@ -142,6 +162,10 @@ class TcpProxy(ClosesOnExit):
         return self._cut
 
     @property
+    def is_stalled(self) -> bool:
+        return not self._flowing.is_set()
+
+    @property
     def open_connections(self) -> int:
         with self._lock:
             return len(self._links)
@@ -159,6 +183,22 @@ class TcpProxy(ClosesOnExit):
         with self._lock:
             self._cut = False
 
+    def stall(self) -> None:
+        """Stop forwarding in both directions, keeping every socket open; new
+        connections are accepted but not forwarded either, until ``resume()``."""
+        self._flowing.clear()
+
+    def resume(self, *, reset: bool = False) -> None:
+        """Forward again. What was held while stalled is delivered, unless
+        ``reset``: then every connection opened before now is reset instead."""
+        if reset:
+            with self._lock:
+                self._resets += 1
+                links = list(self._links)
+            for link in links:
+                link.abort()
+        self._flowing.set()
+
     def close(self) -> None:
         """Stop listening, drop every connection and wait for the threads."""
         with self._lock:
@@ -166,6 +206,7 @@ class TcpProxy(ClosesOnExit):
             links = list(self._links)
         for link in links:
             link.abort()
+        self._flowing.set()  # wake held pumps and connections; they find the sockets shut
         self._acceptor.join(5)
         with self._lock:
             threads = list(self._threads)
@@ -186,7 +227,7 @@ class TcpProxy(ClosesOnExit):
                     if self._cut or self._closed:
                         _reset(client)
                         continue
-                    self._start_thread(self._connect, client)
+                    self._start_thread(self._connect, client, self._resets)
         finally:
             self._listener.close()
 
@@ -197,8 +238,12 @@ class TcpProxy(ClosesOnExit):
         self._threads.append(thread)
         thread.start()
 
-    def _connect(self, client: socket.socket) -> None:
+    def _connect(self, client: socket.socket, resets: int) -> None:
         client.settimeout(None)
+        self._flowing.wait()  # accepted while stalled: connect only once resumed
+        if self._resets != resets:
+            _reset(client)
+            return
         try:
             upstream = socket.create_connection(self.target, timeout=self.connect_timeout)
         except OSError:
@@ -212,13 +257,13 @@ class TcpProxy(ClosesOnExit):
                 upstream.close()
                 return
             self._links.add(link)
-            self._start_thread(link.pump, client, upstream, self._forget)
-            self._start_thread(link.pump, upstream, client, self._forget)
+            self._start_thread(link.pump, client, upstream, self._forget, self._flowing)
+            self._start_thread(link.pump, upstream, client, self._forget, self._flowing)
 
     def _forget(self, link: _Link) -> None:
         with self._lock:
             self._links.discard(link)
 
     def __repr__(self) -> str:
-        state = "cut" if self._cut else "open"
+        state = "cut" if self._cut else "stalled" if self.is_stalled else "open"
         return f"<TcpProxy {self.host}:{self.port} -> {self.target[0]}:{self.target[1]} {state}>"

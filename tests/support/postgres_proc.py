@@ -1,0 +1,170 @@
+"""What pytest-postgresql's process fixture needs from us to run the run-wide server.
+
+``factories.postgresql_proc(executable=pg_ctl_executable())`` starts the
+session's PostgreSQL from pgserver's binaries (see postgres_install.py).
+pytest-postgresql drives ``pg_ctl`` (initdb, start, status, stop) itself; two
+things it cannot do stay here:
+
+* **root.** ``pg_ctl`` refuses to run as root, and pytest-postgresql keeps the
+  cluster in pytest's temporary directory, which only its owner may enter
+  (pytest resets ``/tmp/pytest-of-<user>`` to 0700 at every start). As root,
+  ``executable`` is therefore a small wrapper: it runs the real ``pg_ctl`` as an
+  unprivileged account and moves the data directory and the log it is given to
+  a directory that account owns. pytest-postgresql still sees its own paths
+  (the wrapper leaves an empty directory where it expects the data).
+* **a killed run.** ``pg_ctl`` detaches the server, so a run killed with
+  SIGKILL would leave it running. :func:`watchdog` starts a small process tied
+  to ours by the death signal (``_procs.spawn``) that stops the server when
+  we die without tearing down.
+
+Servers a test stops and starts, and the ones outage tests crash, are still
+ThrowawayPostgres (postgres_server.py): pytest-postgresql has one server per
+process fixture for the whole session, stopped only at its end.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ._files import RunAs, chown_tree, make_workdir, remove_tree, unprivileged_user
+from ._procs import at_exit, log_tail, spawn, stop_process, wait_until
+from .postgres_install import find_bindir, usable_bindir
+
+#: Options of the run-wide server, passed through pg_ctl's ``-o``: TCP on loopback
+#: only and no Unix socket, as for ThrowawayPostgres. (pytest-postgresql adds ``-F``,
+#: no fsync: nothing ever crashes this server on purpose.)
+SERVER_OPTIONS = "-c listen_addresses=127.0.0.1 -c unix_socket_directories=''"
+
+# Runs as root, then becomes the unprivileged account and execs the real pg_ctl.
+# The data directory and log path pytest-postgresql passes are under pytest's
+# 0700 temporary directory; each is replaced by the same name in a directory of
+# our own that the account owns, one per original parent directory.
+_SHIM = """\
+import hashlib, os, sys
+
+REAL, UID, GID, HOMES = {real!r}, {uid}, {gid}, {homes!r}
+
+
+def relocate(path, create_marker):
+    parent, name = os.path.split(os.path.abspath(path))
+    home = os.path.join(HOMES, hashlib.sha256(parent.encode()).hexdigest()[:16])
+    if not os.path.isdir(home):
+        os.mkdir(home, 0o700)
+        os.chown(home, UID, GID)
+    if create_marker:  # pytest-postgresql checks that its data directory exists
+        os.makedirs(path, exist_ok=True)
+    return os.path.join(home, name)
+
+
+args = sys.argv[1:]
+command = args[0] if args else ""
+out = []
+i = 0
+while i < len(args):
+    out.append(args[i])
+    if args[i] in ("-D", "--pgdata", "-l", "--log") and i + 1 < len(args):
+        is_data = args[i] in ("-D", "--pgdata")
+        out.append(relocate(args[i + 1], create_marker=is_data and command == "initdb"))
+        i += 1
+    elif args[i] == "-o" and command == "initdb" and i + 1 < len(args):
+        # The C locale every machine has, but UTF-8 (C alone would mean SQL_ASCII).
+        out.append(args[i + 1] + " --encoding=UTF8 --locale=C --no-sync")
+        i += 1
+    i += 1
+env = dict((k, v) for k, v in os.environ.items() if not k.startswith("PG"))
+env.update(LC_ALL="C", LC_CTYPE="C", LANG="C")
+os.setgroups([])
+os.setgid(GID)
+os.setuid(UID)
+os.chdir(HOMES)
+os.execve(REAL, [REAL] + out, env)
+"""
+
+# Waits for the death signal (or any TERM/INT), then stops the server at once.
+_WATCHDOG = """\
+import signal, subprocess, sys
+wanted = {signal.SIGTERM, signal.SIGINT}
+signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+print("watching", flush=True)
+signal.sigwait(wanted)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, wanted)
+subprocess.run([sys.argv[1], "stop", "-D", sys.argv[2], "-m", "immediate"], timeout=60)
+"""
+
+_executable: str | None = None
+
+
+def pg_ctl_executable() -> str:
+    """The ``executable`` for ``factories.postgresql_proc``: pgserver's pg_ctl, or as
+    root a wrapper that runs it unprivileged. Raises ``RuntimeError`` without binaries."""
+    global _executable
+    if _executable is None:
+        run_as = unprivileged_user()
+        bindir = find_bindir()
+        if run_as is None:
+            _executable = str(bindir / "pg_ctl")
+        else:
+            _executable = str(_unprivileged_wrapper(usable_bindir(bindir, run_as), run_as))
+    return _executable
+
+
+def _unprivileged_wrapper(bindir: Path, run_as: RunAs) -> Path:
+    shim_dir = make_workdir("pg-ctl")  # root's own: the wrapper runs as root
+    homes = make_workdir("pg-proc-data")
+    chown_tree(homes, run_as)
+    for path in (shim_dir, homes):
+        at_exit.add(path, functools.partial(remove_tree, path))
+    shim = shim_dir / "pg_ctl_shim.py"
+    shim.write_text(
+        _SHIM.format(real=str(bindir / "pg_ctl"), uid=run_as.uid, gid=run_as.gid, homes=str(homes))
+    )
+    wrapper = shim_dir / "pg_ctl"
+    python = shlex.quote(sys.executable)
+    wrapper.write_text(f'#!/bin/sh\nexec {python} -I -S {shlex.quote(str(shim))} "$@"\n')
+    wrapper.chmod(0o700)
+    return wrapper
+
+
+@contextmanager
+def watchdog(server: Any) -> Iterator[None]:
+    """While the block runs, a SIGKILL of this process still stops ``server``
+    (a pytest-postgresql ``PostgreSQLExecutor``)."""
+    workdir = make_workdir("pg-watchdog")
+    log_path = workdir / "watchdog.log"
+    proc = spawn(
+        [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(server.executable), str(server.datadir)],
+        log_path=log_path,
+        death_signal=signal.SIGTERM,
+    )
+    try:
+        # Until it blocks the signal, a death signal would kill it before it acts.
+        wait_until(
+            lambda: proc.poll() is not None or "watching" in log_path.read_text(),
+            timeout=30,
+            describe=lambda: f"the server's watchdog did not start: {log_tail(log_path)}",
+        )
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server's watchdog exited: {log_tail(log_path)}")
+        yield
+    finally:
+        # Killed before it acts: pytest-postgresql stops the server itself next.
+        stop_process(proc, [])
+        remove_tree(workdir)
+
+
+def pg_ctl_status(server: Any) -> int:
+    """``pg_ctl status``'s exit code (0: running, 3: not running)."""
+    return subprocess.run(
+        [str(server.executable), "status", "-D", str(server.datadir)],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    ).returncode

@@ -1,0 +1,102 @@
+"""Two claimers taking over the same expired record at the same instant.
+
+Both read the expired row in their snapshot; one wins the ``ON CONFLICT DO
+UPDATE``, the other's update no longer applies. The loser must then see the
+winner's live claim (a 409), never the stale read: replaying the expired
+answer, or a 422 against the expired record's fingerprint, would be wrong.
+The race is made deterministic by holding the row lock in a third session
+until both claimers wait on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg2
+import pytest
+from flask import Flask
+
+from flask_idempotency import flow
+from flask_idempotency.store.base import Claimed, ClaimResult, Existing
+
+MakeApp = Callable[..., Flask]
+RECORD = b"r" * 32
+NEW_REQUEST = b"fingerprint of the retried request"
+
+
+def _insert_expired_completed(database_url: str, fingerprint: bytes) -> None:
+    with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
+        cur.execute(
+            "INSERT INTO idempotency_records (record_key, fingerprint, state, created_at,"
+            " expires_at, completed_at, status_code, headers, body)"
+            " VALUES (%s, %s, 'completed', now() - interval '2 days',"
+            " now() - interval '1 day', now() - interval '2 days', 201, '[]', 'old answer')",
+            (RECORD, fingerprint),
+        )
+    conn.close()
+
+
+def _wait_for_lock_waiters(database_url: str, count: int) -> None:
+    conn = psycopg2.connect(database_url)
+    conn.autocommit = True
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with conn.cursor() as cur:
+                cur.execute(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+                row = cur.fetchone()
+            if row is not None and row[0] >= count:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{count} claimers never queued on the row lock")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "old_fingerprint",
+    [NEW_REQUEST, b"fingerprint of the expired record's request"],
+    ids=["same-request-as-expired", "other-request-than-expired"],
+)
+def test_the_loser_of_a_simultaneous_takeover_gets_409(
+    make_app: MakeApp, database_url: str, old_fingerprint: bytes
+) -> None:
+    app = make_app()
+    store = app.extensions["idempotency"].store
+    _insert_expired_completed(database_url, old_fingerprint)
+
+    locker = psycopg2.connect(database_url)
+    with locker.cursor() as cur:  # holds the row lock until committed
+        cur.execute("SELECT 1 FROM idempotency_records WHERE record_key = %s FOR UPDATE", (RECORD,))
+
+    results: list[ClaimResult] = []
+    requests = [store.begin() for _ in range(2)]
+
+    def claim(index: int) -> None:
+        results.append(requests[index].claim(RECORD, NEW_REQUEST, lease=30, ttl=3600))
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        _wait_for_lock_waiters(database_url, 2)
+    finally:
+        locker.commit()
+        locker.close()
+    for thread in threads:
+        thread.join(10)
+    for request in requests:
+        request.close()
+
+    assert len(results) == 2
+    winners = [r for r in results if isinstance(r, Claimed)]
+    losers = [r for r in results if isinstance(r, Existing)]
+    assert len(winners) == 1 and len(losers) == 1, results
+    decision = flow.decide(losers[0], NEW_REQUEST)
+    assert decision == flow.Reject(flow.Rejection.IN_PROGRESS), losers[0]
+    assert losers[0].state == "processing"
