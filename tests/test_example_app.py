@@ -470,6 +470,10 @@ def test_config_from_env_defaults_and_values() -> None:
         "IDEMPOTENCY_LEASE": 30.0,
         "IDEMPOTENCY_TTL": 86400.0,
         "MAX_CONTENT_LENGTH": 1048576,
+        "IDEMPOTENCY_PROFILE": "stripe",
+        "IDEMPOTENCY_CLAIM_MODE": "row",
+        "FULFILMENT_URL": None,
+        "CRASH_DRILL_DELAY_SECONDS": 0.0,
     }
     env = {
         "DATABASE_URL": "postgresql://db/x",
@@ -479,10 +483,38 @@ def test_config_from_env_defaults_and_values() -> None:
         "IDEMPOTENCY_LEASE_SECONDS": "5",
         "IDEMPOTENCY_TTL_SECONDS": "60",
         "MAX_CONTENT_LENGTH": "2048",
+        "IDEMPOTENCY_PROFILE": "ietf",
+        "FULFILMENT_URL": "http://f:8002",
+        "CRASH_DRILL_DELAY_SECONDS": "1.5",
     }
     config = config_from_env(env)
     assert config["PROCESSOR_TIMEOUT_SECONDS"] == 2.5 and config["IDEMPOTENCY_LEASE"] == 5.0
     assert config["IDEMPOTENCY_TTL"] == 60.0 and config["MAX_CONTENT_LENGTH"] == 2048
+    assert config["IDEMPOTENCY_PROFILE"] == "ietf"
+    assert config["FULFILMENT_URL"] == "http://f:8002"
+    assert config["CRASH_DRILL_DELAY_SECONDS"] == 1.5
+
+
+def test_the_example_app_speaks_the_ietf_profile_when_asked(
+    clean_db: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    monkeypatch.setenv("IDEMPOTENCY_PROFILE", "ietf")
+    app = create_app({"DATABASE_URL": clean_db}, instance_path=str(tmp_path))
+    try:
+        missing = app.test_client().post(
+            "/v1/charges", json={}, headers={"Authorization": "Bearer sk_ietf"}
+        )
+        assert missing.status_code == 400
+        assert missing.content_type == "application/problem+json"
+        assert missing.get_json()["code"] == "missing_key"
+    finally:
+        app.extensions["idempotency"].close()
+
+
+def test_an_unknown_profile_stops_the_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("IDEMPOTENCY_PROFILE", "soap")
+    with pytest.raises(ValueError, match="IDEMPOTENCY_PROFILE"):
+        create_app({"DATABASE_URL": "postgresql://unused/x"}, instance_path=str(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -325,6 +325,7 @@ def test_control_ledger_and_reset_routes(served: Served) -> None:
     assert served.request("POST", "/v1/_reset")[0] == 200
     assert served.request("GET", "/v1/_ledger")[1] == {
         "calls": [],
+        "lookups": [],
         "keys": {},
         "switches": served.processor.switches(),
     }
