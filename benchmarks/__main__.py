@@ -26,7 +26,7 @@ import psycopg2
 
 from . import app as bench_app
 from . import cpu, load, report
-from .app import BASELINE, CHARGES_PATH, DEFAULT_SUBJECTS, REDIS_SUBJECTS, SUBJECTS
+from .app import BASELINE, CHARGES_PATH, DEFAULT_SUBJECTS, REDIS_SUBJECTS, SUBJECTS, unavailable
 from .servers import (
     THREADS,
     WORKER_CLASS,
@@ -36,7 +36,6 @@ from .servers import (
     check_services,
     flush_bench_redis,
     precomplete,
-    redis_cache_available,
     server_env,
     slug,
 )
@@ -87,8 +86,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--subjects",
-        default=",".join(DEFAULT_SUBJECTS),
-        help=f"comma-separated, from {', '.join(SUBJECTS)} (bare is always included)",
+        default=None,
+        help=f"comma-separated, from {', '.join(SUBJECTS)} (bare is always included; "
+        f"default: {','.join(DEFAULT_SUBJECTS)})",
     )
     parser.add_argument(
         "--paths", default=",".join(load.PATHS), help=f"comma-separated, from {load.PATHS}"
@@ -104,7 +104,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--load", choices=load.TOOLS, default="auto", help="load generator")
     parser.add_argument("--replay-keys", type=int, default=REPLAY_KEYS)
     parser.add_argument(
-        "--quick", action="store_true", help="a ~1-minute smoke run: 2 rounds of 1 s cells"
+        "--quick", action="store_true", help="a ~2-minute smoke run: 2 rounds of 1 s cells"
     )
     parser.add_argument("--database-url", default=bench_app.database_url())
     parser.add_argument("--redis-url", default=bench_app.redis_url())
@@ -124,18 +124,30 @@ def selected(raw: str, allowed: Sequence[str], what: str) -> list[str]:
     return [a for a in allowed if a in chosen]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    subjects = selected(args.subjects, SUBJECTS, "subjects")
+def choose_subjects(raw: str | None) -> tuple[list[str], list[str]]:
+    """The subjects to run, and notes on those left out.
+
+    A subject named with ``--subjects`` that cannot run here (a peer not
+    installed, a setting this checkout's extension lacks) stops the run with
+    the reason; the default run leaves it out with a note, so that
+    ``python -m benchmarks`` works without the peers.
+    """
+    explicit = raw is not None
+    subjects = selected(raw, SUBJECTS, "subjects") if raw is not None else list(DEFAULT_SUBJECTS)
     if BASELINE not in subjects:
         subjects.insert(0, BASELINE)  # every figure is a ratio to it
-    notes: list[str] = []
-    if not redis_cache_available():
-        for subject in [s for s in subjects if s in REDIS_SUBJECTS]:
-            subjects.remove(subject)
-            notes.append(
-                f"{subject} skipped: flask_idempotency/cache/redis.py is not in this checkout"
-            )
+    reasons = {s: reason for s in subjects if (reason := unavailable(s)) is not None}
+    if explicit and reasons:
+        raise SystemExit("cannot run: " + "; ".join(reasons.values()))
+    notes = [f"skipped {reason}" for reason in reasons.values()]
+    return [s for s in subjects if s not in reasons], notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    subjects, notes = choose_subjects(args.subjects)
+    for skipped in notes:
+        print(f"note: {skipped}", file=sys.stderr, flush=True)
     paths = selected(args.paths, load.PATHS, "paths")
     tool = load.choose_tool(args.load)
     uses_redis = any(s in REDIS_SUBJECTS for s in subjects)
@@ -148,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"x {args.threads} {WORKER_CLASS}",
         flush=True,
     )
-    bench_app.prepare_database(args.database_url)
+    bench_app.prepare_database(args.database_url, subjects)
     bench_app.reset_database(args.database_url)
     if uses_redis:
         flush_bench_redis(args.redis_url)
@@ -195,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "postgres": _server_setting(args.database_url, "server_version"),
         "synchronous_commit": _server_setting(args.database_url, "synchronous_commit"),
+        "peer_versions": bench_app.peer_versions(subjects),
         "notes": notes,
     }
     summary = report.summarize(rows, subjects, BASELINE)

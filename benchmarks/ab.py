@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_services(args.database_url, args.redis_url if uses_redis else None)
     tool = load.choose_tool(args.load)
     run_id = secrets.token_hex(4)
-    bench_app.prepare_database(args.database_url)
+    bench_app.prepare_database(args.database_url, [args.subject])
     bench_app.reset_database(args.database_url)
     if uses_redis:
         flush_bench_redis(args.redis_url)

@@ -20,6 +20,22 @@ that the only difference between two subjects is what idempotency adds:
 ``pg+redis-fill-on-replay``
     ``pg+redis`` with ``IDEMPOTENCY_REDIS_FILL = "replay"``: no SET on first
     requests. Not in the default run; name it with ``--subjects``.
+``pg-txclaim``, ``pg+redis-txclaim``
+    ``pg`` and ``pg+redis`` with ``IDEMPOTENCY_CLAIM_MODE = "transaction"``
+    (the claim inside the business transaction, one commit per request).
+    Unavailable until the library has that setting; not in the default run.
+``minimum-pg+redis``
+    a hand-written PostgreSQL-first layer, the floor of a durable design
+    (``benchmarks.minimum``).
+``idemkit-pg``, ``flask-once-redis``, ``powertools-redis``
+    other idempotency layers from the package index, each wired as its own
+    documentation says (``benchmarks.peers``). Benchmark-only dependencies:
+    ``pip install -r benchmarks/requirements-peers.txt`` (``make bench`` does).
+
+The load generator is every subject's one client and sends no credentials, so
+the extension's subjects choose the one global scope
+(``IDEMPOTENCY_SCOPE_FUNC = global_scope``), as a single-principal app would;
+under the default scope function such requests are refused (``missing_scope``).
 
 gunicorn builds an app with ``benchmarks.app:create_app("pg")``; the server's
 addresses come from ``BENCH_DATABASE_URL`` and ``BENCH_REDIS_URL``.
@@ -27,11 +43,15 @@ addresses come from ``BENCH_DATABASE_URL`` and ``BENCH_REDIS_URL``.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
 from typing import Any
 
 import psycopg2
@@ -39,7 +59,8 @@ import psycopg2.errors
 import psycopg2.extensions
 from flask import Flask, Response, jsonify, request
 
-from flask_idempotency import Idempotency
+from flask_idempotency import Idempotency, global_scope
+from flask_idempotency.settings import Settings
 
 #: The subjects, in the order the report lists them; ``bare`` is the baseline.
 SUBJECTS: tuple[str, ...] = (
@@ -48,12 +69,55 @@ SUBJECTS: tuple[str, ...] = (
     "pg+redis",
     "pg-synccommit",
     "pg+redis-fill-on-replay",
+    "pg-txclaim",
+    "pg+redis-txclaim",
+    "minimum-pg+redis",
+    "idemkit-pg",
+    "flask-once-redis",
+    "powertools-redis",
 )
-#: What ``python -m benchmarks`` runs unless told otherwise.
-DEFAULT_SUBJECTS: tuple[str, ...] = SUBJECTS[:4]
-#: Subjects that use Redis (and so need it, and its cache module).
-REDIS_SUBJECTS = frozenset({"pg+redis", "pg+redis-fill-on-replay"})
+#: What ``python -m benchmarks`` runs unless told otherwise: the baseline, the
+#: extension's default configurations, the hand-written minimum and the peers.
+DEFAULT_SUBJECTS: tuple[str, ...] = (
+    "bare",
+    "pg",
+    "pg+redis",
+    # The transaction claim mode (IDEMPOTENCY_CLAIM_MODE = "transaction").
+    "pg-txclaim",
+    "pg+redis-txclaim",
+    "minimum-pg+redis",
+    "idemkit-pg",
+    "flask-once-redis",
+    # powertools-redis joins with --subjects: two peers keep the run near 18 minutes.
+)
+#: Subjects that run the extension (``subject_config`` configures them).
+EXTENSION_SUBJECTS = frozenset(
+    {"pg", "pg+redis", "pg-synccommit", "pg+redis-fill-on-replay", "pg-txclaim", "pg+redis-txclaim"}
+)
+#: Subjects that set ``IDEMPOTENCY_CLAIM_MODE = "transaction"``.
+TXCLAIM_SUBJECTS = frozenset({"pg-txclaim", "pg+redis-txclaim"})
+MINIMUM = "minimum-pg+redis"
+#: Peers from the package index: subject -> (module it needs, pinned requirement).
+PEERS: dict[str, tuple[str, str]] = {
+    "idemkit-pg": ("idemkit", "idemkit[postgres]"),
+    "flask-once-redis": ("flask_once", "flask-once"),
+    "powertools-redis": ("aws_lambda_powertools", "aws-lambda-powertools[redis,aws-sdk]"),
+}
+#: Subjects that use Redis (and so need it).
+REDIS_SUBJECTS = frozenset(
+    {
+        "pg+redis",
+        "pg+redis-fill-on-replay",
+        "pg+redis-txclaim",
+        "minimum-pg+redis",
+        "flask-once-redis",
+        "powertools-redis",
+    }
+)
+#: Of those, the extension's (they also need its cache module).
+EXTENSION_REDIS_SUBJECTS = REDIS_SUBJECTS & EXTENSION_SUBJECTS
 BASELINE = "bare"
+PEERS_REQUIREMENTS = "benchmarks/requirements-peers.txt"
 
 #: A database of the benchmark's own: the test suite truncates every table of
 #: the database it runs on, which would wipe pre-completed replay keys mid-run.
@@ -98,14 +162,54 @@ def application_name(subject: str) -> str:
     return f"bench-{subject}"
 
 
+def claim_mode_available() -> bool:
+    """Whether this checkout's extension has ``IDEMPOTENCY_CLAIM_MODE``."""
+    return "claim_mode" in {field.name for field in dataclasses.fields(Settings)}
+
+
+def unavailable(subject: str) -> str | None:
+    """Why ``subject`` cannot run in this checkout or environment (None: it can)."""
+    if subject not in SUBJECTS:
+        return f"unknown subject {subject!r}; choose from {', '.join(SUBJECTS)}"
+    if subject in EXTENSION_REDIS_SUBJECTS and find_spec("flask_idempotency.cache.redis") is None:
+        return f"{subject}: flask_idempotency/cache/redis.py is not in this checkout"
+    if subject in TXCLAIM_SUBJECTS and not claim_mode_available():
+        return (
+            f"{subject}: this checkout's extension has no IDEMPOTENCY_CLAIM_MODE "
+            "(flask_idempotency.settings.Settings has no claim_mode field)"
+        )
+    if subject in PEERS:
+        module, requirement = PEERS[subject]
+        if find_spec(module) is None:
+            return (
+                f"{subject}: {requirement} is not installed "
+                f"(pip install -r {PEERS_REQUIREMENTS}; make bench does)"
+            )
+    return None
+
+
+def peer_versions(subjects: Iterable[str]) -> dict[str, str]:
+    """Installed version of each peer among ``subjects``, by distribution name."""
+    found = {}
+    for subject in subjects:
+        if subject in PEERS:
+            distribution = PEERS[subject][1].split("[")[0]
+            try:
+                found[distribution] = version(distribution)
+            except PackageNotFoundError:
+                found[distribution] = "not installed"
+    return found
+
+
 def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
     """The ``IDEMPOTENCY_*`` configuration of an extension subject."""
-    if subject not in SUBJECTS or subject == BASELINE:
+    if subject not in EXTENSION_SUBJECTS:
         raise ValueError(f"not an extension subject: {subject!r}")
     config: dict[str, Any] = {
         "IDEMPOTENCY_DATABASE_URL": dsn,
         "IDEMPOTENCY_POOL_SIZE": POOL_SIZE,
         "IDEMPOTENCY_CONNECT_KWARGS": {"application_name": application_name(subject)},
+        "IDEMPOTENCY_SCOPE_FUNC": global_scope,
     }
     if subject in REDIS_SUBJECTS:
         config["IDEMPOTENCY_REDIS_URL"] = redis
@@ -114,21 +218,25 @@ def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
         config["IDEMPOTENCY_REDIS_FILL"] = "replay"
     if subject == "pg-synccommit":
         config["IDEMPOTENCY_ASYNC_CLAIM_COMMIT"] = False
+    if subject in TXCLAIM_SUBJECTS:
+        config["IDEMPOTENCY_CLAIM_MODE"] = "transaction"
     return config
 
 
 class BarePool:
-    """A minimal fork-aware pool of psycopg2 connections for the ``bare`` subject.
+    """A minimal fork-aware pool of psycopg2 connections for the ``bare`` subject
+    (and for the business work of the subjects that do not run the extension).
 
     Deliberately as cheap as the extension's own pool (a lock and a deque), so
     that the baseline is not slowed by a heavier pool than the subjects use:
     the ratios would then flatter the extension.
     """
 
-    def __init__(self, dsn: str, max_idle: int = POOL_SIZE) -> None:
+    def __init__(self, dsn: str, max_idle: int = POOL_SIZE, label: str | None = None) -> None:
         self._dsn = dsn
         self._max_idle = max_idle
-        self._application_name = application_name(BASELINE)
+        #: The sessions' ``application_name``: bare's, or that of the subject using it.
+        self._application_name = label or application_name(BASELINE)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._idle: deque[psycopg2.extensions.connection] = deque()
@@ -155,13 +263,24 @@ class BarePool:
         conn.close()
 
 
-def _read_charge() -> tuple[int, str]:
+def read_charge() -> tuple[int, str]:
     """The business input; a malformed body is the client's 400 in every subject."""
     payload = request.get_json(force=True)
     return int(payload["amount"]), str(payload["currency"])
 
 
-def _created(row_id: int, amount: int, currency: str) -> Response:
+def insert_charge(pool: BarePool, amount: int, currency: str) -> int:
+    """The business work without the extension: BEGIN / INSERT / COMMIT."""
+    with pool.connection() as conn:
+        with conn.cursor() as cur:  # psycopg2 sends BEGIN before the INSERT
+            cur.execute(INSERT_CHARGE, (amount, currency))
+            row = cur.fetchone()
+        conn.commit()
+    assert row is not None
+    return int(row[0])
+
+
+def created(row_id: int, amount: int, currency: str) -> Response:
     response = jsonify(id=row_id, amount=amount, currency=currency, status="succeeded")
     response.status_code = 201
     return response
@@ -176,6 +295,8 @@ def create_app(subject: str | None = None, config: Mapping[str, Any] | None = No
     subject = subject or os.environ.get("BENCH_SUBJECT", "")
     if subject not in SUBJECTS:
         raise ValueError(f"unknown subject {subject!r}; choose from {', '.join(SUBJECTS)}")
+    if (reason := unavailable(subject)) is not None:
+        raise RuntimeError(f"subject unavailable: {reason}")
     app = Flask(__name__)
     app.config["BENCH_SUBJECT"] = subject
 
@@ -188,15 +309,21 @@ def create_app(subject: str | None = None, config: Mapping[str, Any] | None = No
 
         @app.post(CHARGES_PATH)
         def bare_charge() -> Response:
-            amount, currency = _read_charge()
-            with pool.connection() as conn:
-                with conn.cursor() as cur:  # psycopg2 sends BEGIN before the INSERT
-                    cur.execute(INSERT_CHARGE, (amount, currency))
-                    row = cur.fetchone()
-                conn.commit()
-            assert row is not None
-            return _created(int(row[0]), amount, currency)
+            amount, currency = read_charge()
+            return created(insert_charge(pool, amount, currency), amount, currency)
 
+        return app
+
+    if subject == MINIMUM:
+        from . import minimum
+
+        minimum.register(app, database_url(), redis_url())
+        return app
+
+    if subject in PEERS:
+        from . import peers
+
+        peers.register(subject, app, database_url(), redis_url())
         return app
 
     app.config.update(subject_config(subject, database_url(), redis_url()))
@@ -206,18 +333,23 @@ def create_app(subject: str | None = None, config: Mapping[str, Any] | None = No
     @app.post(CHARGES_PATH)
     @idempotency.required
     def charge() -> Response:
-        amount, currency = _read_charge()
+        amount, currency = read_charge()
         with idempotency.connection().cursor() as cur:
             cur.execute(INSERT_CHARGE, (amount, currency))
             row = cur.fetchone()
         assert row is not None
-        return _created(int(row[0]), amount, currency)
+        return created(int(row[0]), amount, currency)
 
     return app
 
 
-def prepare_database(dsn: str) -> None:
-    """Create the benchmark's database if missing, its table, and the extension's schema.
+#: Tables a run empties before the servers start, when they exist.
+BENCH_TABLES = ("bench_charges", "idempotency_records", "bench_minimum_keys", "idemkit_records")
+
+
+def prepare_database(dsn: str, subjects: Collection[str] = ()) -> None:
+    """Create the benchmark's database if missing, its table, the extension's
+    schema, and the tables of the other layers among ``subjects``.
 
     Run once by the runner before any server starts, so that workers never
     migrate concurrently and no subject pays for it inside a measurement.
@@ -227,12 +359,20 @@ def prepare_database(dsn: str) -> None:
     try:
         with conn, conn.cursor() as cur:
             cur.execute(BUSINESS_TABLE)
+        if MINIMUM in subjects:
+            from . import minimum
+
+            minimum.create_table(conn)
     finally:
         conn.close()
     app = Flask(__name__)
     app.config.update(IDEMPOTENCY_DATABASE_URL=dsn, IDEMPOTENCY_AUTO_MIGRATE=True)
     Idempotency(app)
     app.extensions["idempotency"].close()
+    if "idemkit-pg" in subjects:
+        from . import peers
+
+        asyncio.run(peers.idemkit_init_pg(dsn))
 
 
 def reset_database(dsn: str) -> None:
@@ -240,14 +380,19 @@ def reset_database(dsn: str) -> None:
     conn = psycopg2.connect(dsn)
     try:
         with conn, conn.cursor() as cur:
-            cur.execute("TRUNCATE bench_charges, idempotency_records RESTART IDENTITY")
+            cur.execute(
+                "SELECT t FROM unnest(%s::text[]) AS t WHERE to_regclass(t) IS NOT NULL",
+                (list(BENCH_TABLES),),
+            )
+            tables = ", ".join(row[0] for row in cur.fetchall())
+            cur.execute(f"TRUNCATE {tables} RESTART IDENTITY")
     finally:
         conn.close()
     conn = psycopg2.connect(dsn)
     try:
         conn.autocommit = True  # VACUUM refuses to run in a transaction block
         with conn.cursor() as cur:
-            cur.execute("VACUUM ANALYZE bench_charges, idempotency_records")
+            cur.execute(f"VACUUM ANALYZE {tables}")
     finally:
         conn.close()
 

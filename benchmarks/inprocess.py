@@ -110,7 +110,7 @@ def environs(path: str, n: int, replay_key: str) -> list[dict[str, Any]]:
 def measure(subject: str, path: str, n: int, warmup: int) -> Probe:
     """CPU and wall microseconds per request, after ``warmup`` discarded requests,
     and what the measured requests answered."""
-    bench_app.prepare_database(bench_app.database_url())
+    bench_app.prepare_database(bench_app.database_url(), [subject])
     wsgi = bench_app.create_app(subject)
     call = caller(wsgi)
     try:

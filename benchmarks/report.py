@@ -239,6 +239,41 @@ def _statuses(cell: CellSummary) -> str:
     return ", ".join(parts)
 
 
+def _ratio(cell: CellSummary | None) -> str:
+    if cell is None or cell.ratio is None or cell.ratio_min is None or cell.ratio_max is None:
+        return "-"
+    return f"{cell.ratio:.2f} ({cell.ratio_min:.2f}-{cell.ratio_max:.2f})"
+
+
+def render_side_by_side(summaries: Sequence[CellSummary], baseline: str = "bare") -> list[str]:
+    """One line per subject: what a first request and a replay cost against
+    ``baseline``, in throughput at saturation, latency at one connection, and
+    CPU per request (the issue's comparison of layers, from this run's cells)."""
+    subjects = list(dict.fromkeys(c.subject for c in summaries if c.subject != baseline))
+    if not subjects:
+        return []
+    lines = [
+        "## Side by side",
+        "",
+        "| subject | first: x bare req/s (saturation) | first: +CPU us/req | first: +p50 ms "
+        "(1 conn) | replay: x bare req/s (saturation) | replay: +CPU us/req | hot key answers |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for subject in subjects:
+        first = _find(summaries, subject, "first", True)
+        first_one = _find(summaries, subject, "first", False)
+        replay = _find(summaries, subject, "replay", True)
+        hot = _find(summaries, subject, "hot", True)
+        lines.append(
+            f"| {subject} | {_ratio(first)} "
+            f"| {_fmt(first.added_cpu_us if first else None, '.0f', True)} "
+            f"| {_fmt(first_one.added_p50_ms if first_one else None, '.2f', True)} "
+            f"| {_ratio(replay)} | {_fmt(replay.added_cpu_us if replay else None, '.0f', True)} "
+            f"| {_statuses(hot) if hot else '-'} |"
+        )
+    return [*lines, ""]
+
+
 def render_markdown(
     summaries: Sequence[CellSummary], targets: Sequence[TargetResult], meta: Mapping[str, Any]
 ) -> str:
@@ -264,15 +299,16 @@ def render_markdown(
         "every subject runs identical code there, so its spread is the harness's own "
         "error bar, and bare's noop throughput is the ceiling of any ratio.",
         "",
+        *_peer_versions(meta),
+        *render_side_by_side(summaries),
+        "## Every cell",
+        "",
         "| path | conns | subject | req/s | p50 ms | p99 ms | x bare req/s | +p50 ms "
         "| +p99 ms | CPU us/req app / pg / redis | +CPU us | answers |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for cell in summaries:
-        if cell.ratio is not None and cell.ratio_min is not None and cell.ratio_max is not None:
-            ratio = f"{cell.ratio:.2f} ({cell.ratio_min:.2f}-{cell.ratio_max:.2f})"
-        else:
-            ratio = "-"
+        ratio = _ratio(cell)
         lines.append(
             f"| {cell.path} | {cell.connections} | {cell.subject} | {cell.rps:.0f} "
             f"| {cell.p50_ms:.2f} | {cell.p99_ms:.2f} | {ratio} "
@@ -298,6 +334,15 @@ def render_markdown(
     for note in meta.get("notes", ()):
         lines += ["", f"Note: {note}"]
     return "\n".join(lines) + "\n"
+
+
+def _peer_versions(meta: Mapping[str, Any]) -> list[str]:
+    """A line naming the versions of the peers from the package index, if any ran."""
+    versions: Mapping[str, str] = meta.get("peer_versions") or {}
+    if not versions:
+        return []
+    named = ", ".join(f"{name} {version}" for name, version in versions.items())
+    return [f"Peers from the package index: {named}.", ""]
 
 
 def write(

@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
-from importlib.util import find_spec
 from pathlib import Path
 from types import TracebackType
 
@@ -219,11 +218,6 @@ def _gunicorn_has_control_socket() -> bool:
 
 def slug(subject: str) -> str:
     return subject.replace("+", "-")
-
-
-def redis_cache_available() -> bool:
-    """Whether this checkout has the Redis cache (it arrived after the core)."""
-    return find_spec("flask_idempotency.cache.redis") is not None
 
 
 def check_services(dsn: str, redis_url: str | None) -> None:

@@ -108,3 +108,26 @@ def test_a_target_whose_cell_was_not_measured_says_so() -> None:
     assert latency.measured == pytest.approx(0.6) and latency.met is True
     saturated = next(t for t in results if t.subject == "pg" and t.cell == "first, saturation")
     assert saturated.met is None and saturated.measured is None
+
+
+def test_side_by_side_lists_every_subject_but_bare_with_first_and_replay_costs() -> None:
+    rows = []
+    for rnd in range(3):
+        for subject, first, replay, app_us in (
+            ("bare", 1000, 1000, 1000.0),
+            ("pg", 600, 1200, 1667.0),
+            ("idemkit-pg", 400, 700, 2500.0),
+        ):
+            cpu = {"cpu_app_us": app_us, "cpu_postgres_us": 100.0, "cpu_redis_us": 0.0}
+            rows += [
+                {**row(subject, "first", 16, rnd, first), **cpu},
+                row(subject, "replay", 16, rnd, replay),
+            ]
+    summaries = report.summarize(rows, ["bare", "pg", "idemkit-pg"], "bare")
+    lines = report.render_side_by_side(summaries)
+    assert lines[0] == "## Side by side"
+    body = [line for line in lines if line.startswith("| ") and not line.startswith("| subject")]
+    assert [line.split(" | ")[0] for line in body] == ["| pg", "| idemkit-pg"]
+    assert body[0].startswith("| pg | 0.60 (0.60-0.60) | +667 | - | 1.20 (1.20-1.20) | - | - |")
+    assert body[1].startswith("| idemkit-pg | 0.40 (0.40-0.40) | +1500 |")
+    assert report.render_side_by_side(report.summarize(rows[:2], ["bare"], "bare")) == []
