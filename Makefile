@@ -13,7 +13,7 @@ STAMP   := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-x -k proxy"`.
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast test-reliability lint run bench clean distclean
+.PHONY: venv test test-transaction-mode test-fast test-reliability test-topologies lint run bench clean distclean
 
 venv: $(STAMP)
 
@@ -23,17 +23,34 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # The whole suite, including the slower `reliability` tests (storms, crashes,
-# outages through gunicorn).
+# outages through gunicorn); the deployment topologies are `make test-topologies`.
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not topology" $(PYTEST_ARGS)
+	$(MAKE) test-transaction-mode
+
+# The guarantees again with IDEMPOTENCY_CLAIM_MODE=transaction: the reliability
+# suite (the example app reads the variable) and the core app's semantics and
+# concurrency tests (CORE_APP_* reaches its config).
+TRANSACTION_MODE_TESTS := tests/reliability tests/test_semantics.py tests/test_concurrency.py \
+	tests/test_field_safety.py tests/test_claim_modes.py
+test-transaction-mode: venv
+	IDEMPOTENCY_CLAIM_MODE=transaction CORE_APP_IDEMPOTENCY_CLAIM_MODE=transaction \
+		$(PY) -m pytest $(TRANSACTION_MODE_TESTS) $(PYTEST_ARGS)
 
 # Quick feedback while editing: everything but the reliability tests.
 test-fast: venv
-	$(PY) -m pytest -m "not reliability" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not reliability and not topology" $(PYTEST_ARGS)
 
 # Only the reliability tests (named by the marker's description in pyproject.toml).
 test-reliability: venv
 	$(PY) -m pytest -m reliability $(PYTEST_ARGS)
+
+# Deployment topologies (tests/topologies): a read-only server and a multi-host
+# DSN, PgBouncer in transaction mode (storm and crash through it, both claim
+# modes), on servers the tests start. Without a pgbouncer binary those tests
+# skip and say why (.ci/run installs Debian's package when it can).
+test-topologies: venv
+	$(PY) -m pytest -m topology tests/topologies $(PYTEST_ARGS)
 
 # mypy reads its file list and strictness from setup.cfg.
 lint: venv
@@ -43,8 +60,14 @@ lint: venv
 run: venv
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
 
-bench: venv
+# The peers it measures next to the extension are benchmark-only dependencies,
+# installed here (not by `make venv`); see benchmarks/README.md.
+bench: venv $(VENV)/.bench-peers
 	$(PY) -m benchmarks
+
+$(VENV)/.bench-peers: benchmarks/requirements-peers.txt
+	$(PY) -m pip install -r benchmarks/requirements-peers.txt
+	touch $@
 
 # Build and tool leftovers; keeps .venv and instance/ (the example app's
 # embedded database lives there).
