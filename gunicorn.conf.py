@@ -44,6 +44,12 @@ def _default_workers() -> int:
     return min(2 * multiprocessing.cpu_count() + 1, 8)
 
 
+def _default_pool_size() -> int:
+    from flask_idempotency.settings import Settings
+
+    return int(Settings.pool_size)
+
+
 _processor_timeout = _number("PROCESSOR_TIMEOUT_SECONDS", 10.0)
 
 bind = [_bind(os.environ)]
@@ -51,6 +57,10 @@ workers = int(_number("WEB_CONCURRENCY", _default_workers()))
 worker_class = os.environ.get("GUNICORN_WORKER_CLASS", "").strip() or "gthread"
 # Threads let a worker serve other requests while one waits on the card processor.
 threads = int(_number("GUNICORN_THREADS", 4))
+# Every in-flight idempotent request holds a pooled connection from its claim to its
+# completion: unless it is set, the pool covers the threads (the app reads it).
+if not os.environ.get("IDEMPOTENCY_POOL_SIZE", "").strip():
+    os.environ["IDEMPOTENCY_POOL_SIZE"] = str(max(threads, _default_pool_size()))
 # A request may legitimately wait a whole processor timeout; kill a worker only when
 # it is stuck well beyond that (its claim then lapses with the lease and is retried).
 timeout = int(_number("GUNICORN_TIMEOUT", _processor_timeout + 20))

@@ -28,7 +28,7 @@ DEFAULT_MAX_CONTENT_LENGTH = 1024 * 1024
 
 def config_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     """Flask config keys from the process environment; unset variables get defaults."""
-    return {
+    config: dict[str, Any] = {
         "DATABASE_URL": _text(environ, "DATABASE_URL"),
         "REDIS_URL": _text(environ, "REDIS_URL"),
         "PROCESSOR_URL": _text(environ, "PROCESSOR_URL"),
@@ -51,6 +51,13 @@ def config_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         # anywhere real.
         "CRASH_DRILL_DELAY_SECONDS": _seconds_or_zero(environ, "CRASH_DRILL_DELAY_SECONDS"),
     }
+    # Connections per worker: at least gunicorn's --threads (gunicorn.conf.py warns
+    # when fewer). Unset, the extension's own default applies.
+    if environ.get("IDEMPOTENCY_POOL_SIZE", "").strip():
+        config["IDEMPOTENCY_POOL_SIZE"] = _positive_int(
+            environ, "IDEMPOTENCY_POOL_SIZE", default=0
+        )
+    return config
 
 
 def apply_defaults(config: MutableMapping[str, Any], scope_func: Any) -> None:

@@ -486,6 +486,7 @@ def test_config_from_env_defaults_and_values() -> None:
         "IDEMPOTENCY_PROFILE": "ietf",
         "FULFILMENT_URL": "http://f:8002",
         "CRASH_DRILL_DELAY_SECONDS": "1.5",
+        "IDEMPOTENCY_POOL_SIZE": "32",
     }
     config = config_from_env(env)
     assert config["PROCESSOR_TIMEOUT_SECONDS"] == 2.5 and config["IDEMPOTENCY_LEASE"] == 5.0
@@ -493,6 +494,7 @@ def test_config_from_env_defaults_and_values() -> None:
     assert config["IDEMPOTENCY_PROFILE"] == "ietf"
     assert config["FULFILMENT_URL"] == "http://f:8002"
     assert config["CRASH_DRILL_DELAY_SECONDS"] == 1.5
+    assert config["IDEMPOTENCY_POOL_SIZE"] == 32  # gunicorn --threads 32 needs as many
 
 
 def test_the_example_app_speaks_the_ietf_profile_when_asked(
@@ -526,6 +528,8 @@ def test_an_unknown_profile_stops_the_start(monkeypatch: pytest.MonkeyPatch, tmp
         {"IDEMPOTENCY_TTL_SECONDS": "0"},
         {"MAX_CONTENT_LENGTH": "1.5"},
         {"MAX_CONTENT_LENGTH": "0"},
+        {"IDEMPOTENCY_POOL_SIZE": "0"},
+        {"IDEMPOTENCY_POOL_SIZE": "many"},
     ],
 )
 def test_bad_environment_values_fail_at_start(env: dict[str, str]) -> None:

@@ -55,7 +55,9 @@ PROCESSOR_TIMEOUT = 5.0
 #: order after each phase): the window each SIGKILL lands in.
 DRILL = 3.0
 WORKERS = 2
-THREADS = 8
+#: One worker may accept all 12 drilled requests: each needs a thread and a pooled
+#: connection at once, or the last ones queue until the first finish their drill.
+THREADS = 16
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,11 @@ def recovery_stack(
         threads=THREADS,
         lease_seconds=LEASE,
         processor_timeout=PROCESSOR_TIMEOUT,
-        extra_env={"FULFILMENT_URL": fulfilment.url, "CRASH_DRILL_DELAY_SECONDS": f"{DRILL:g}"},
+        extra_env={
+            "FULFILMENT_URL": fulfilment.url,
+            "CRASH_DRILL_DELAY_SECONDS": f"{DRILL:g}",
+            "IDEMPOTENCY_POOL_SIZE": str(THREADS),
+        },
     )
     with (
         own_database(server_database_url) as url,
