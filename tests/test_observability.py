@@ -377,6 +377,32 @@ def test_table_stats_query_at_most_once_per_interval(
     assert collector.queries == 3
 
 
+def test_table_stats_count_abandoned_and_recovered_records(
+    make_app: MakeApp, database_url: str
+) -> None:
+    app = make_app()
+    store = app.extensions["idempotency"].store
+    with store.transaction() as conn, conn.cursor() as cur:
+        # One record of a recover= route whose holder died 60 s ago, and the
+        # completer's totals of earlier passes.
+        cur.execute(
+            "INSERT INTO idempotency_records (record_key, fingerprint, state, lock_token,"
+            " lease_expires_at, expires_at, recovery)"
+            " VALUES ('\\x01', '\\x02', 'processing', 7, now() - interval '60 s',"
+            " now() + interval '1 h', '\\x03')"
+        )
+        cur.execute(
+            "INSERT INTO idempotency_recovery_totals (outcome, total)"
+            " VALUES ('recovered', 5), ('released', 2)"
+        )
+    figures = gauges(TableStatsCollector(store, shared_dir=""))
+    assert figures["flask_idempotency_records_recoverable"] == {"": 1}
+    assert 59 <= figures["flask_idempotency_oldest_abandoned_age_seconds"][""] < 120
+    assert figures["flask_idempotency_recovered_records_total"] == {"": 5}
+    assert figures["flask_idempotency_recovery_released_records_total"] == {"": 2}
+    assert figures["flask_idempotency_records_lease_expired"] == {"": 1}
+
+
 def gauges(collector: TableStatsCollector) -> dict[str, dict[str, float]]:
     found: dict[str, dict[str, float]] = {}
     for metric in collector.collect():

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -368,6 +368,30 @@ _TABLE_GAUGES = (
         "Takeovers counted on the records still in the table",
         "takeovers",
     ),
+    (
+        "records_recoverable",
+        "Abandoned records (holder dead, lease ended) of routes that declare recover=",
+        "recoverable",
+    ),
+    (
+        "oldest_abandoned_age_seconds",
+        "How long the oldest abandoned record's lease has been over",
+        "oldest_abandoned_seconds",
+    ),
+)
+#: ``flask idempotency recover``'s totals (kept in PostgreSQL, so one figure for every
+#: process and host): counters, since they only grow.
+_TABLE_COUNTERS = (
+    (
+        "recovered_records",
+        "Abandoned records flask idempotency recover finished with their recovered answer",
+        "recovered",
+    ),
+    (
+        "recovery_released_records",
+        "Abandoned records flask idempotency recover released (nothing had happened)",
+        "recovery_released",
+    ),
 )
 
 
@@ -427,6 +451,11 @@ class TableStatsCollector:
             if figures is not None:
                 family.add_metric([], figures.get(figure, 0.0))
             yield family
+        for name, doc, figure in _TABLE_COUNTERS:
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+            if figures is not None:
+                counter.add_metric([], figures.get(figure, 0.0))
+            yield counter
 
     def figures(self) -> dict[str, float] | None:
         """The latest figures (``None``: PostgreSQL did not answer), queried only if
@@ -444,9 +473,13 @@ class TableStatsCollector:
             return figures
 
     def _query(self) -> dict[str, float] | None:
+        from .. import completer  # imports the extension's parts; not at module load
+
         self.queries += 1
         try:
-            return self.store.stats()
+            figures = self.store.stats()
+            figures.update(completer.stats(self.store))
+            return figures
         except StoreUnavailableError as exc:
             log.warning("idempotency: table stats unavailable: %s", exc)
             return None
