@@ -46,6 +46,9 @@ class ThrowawayPostgres(StartsOnEnter):
     """
 
     host = LOOPBACK
+    #: postmaster.pid states in which the server takes connections (a hot
+    #: standby says "standby").
+    ready_states: tuple[str, ...] = ("ready",)
 
     def __init__(
         self,
@@ -80,6 +83,13 @@ class ThrowawayPostgres(StartsOnEnter):
     def pid(self) -> int | None:
         """The postmaster's pid while running."""
         return self._proc.pid if self._proc is not None and self.running else None
+
+    @property
+    def bindir(self) -> Path:
+        """The PostgreSQL binaries this server runs (known once it has started)."""
+        if self._bindir is None:
+            raise RuntimeError("the server has not been started yet")
+        return self._bindir
 
     @property
     def datadir(self) -> Path:
@@ -125,12 +135,20 @@ class ThrowawayPostgres(StartsOnEnter):
             )
         bindir = self._bindir or find_bindir()
         self._bindir = bindir = usable_bindir(bindir, self._run_as)
-        template = template_cluster(bindir, self._run_as)
         root = make_workdir("pg")
         self._root = root
         at_exit.add(self, self.close)
-        shutil.copytree(template, root / "data", symlinks=True)
+        self._make_data_dir(bindir, root / "data")
         chown_tree(root, self._run_as)
+
+    def _make_data_dir(self, bindir: Path, data: Path) -> None:
+        """Fill the new server's data directory: a copy of the run's template cluster.
+
+        A subclass may make it another way (a standby from a base backup of its
+        primary, see pg_topology.py); ``_create_cluster`` hands it to the server's
+        account afterwards.
+        """
+        shutil.copytree(template_cluster(bindir, self._run_as), data, symlinks=True)
 
     def _launch(self, log_start: int) -> None:
         assert self._bindir is not None
@@ -149,7 +167,7 @@ class ThrowawayPostgres(StartsOnEnter):
         def ready() -> bool:
             if proc.poll() is not None:
                 return True
-            return self._postmaster_status(proc.pid) == "ready"
+            return self._postmaster_status(proc.pid) in self.ready_states
 
         try:
             wait_until(ready, timeout=self.startup_timeout, describe=lambda: self._tail(log_start))
