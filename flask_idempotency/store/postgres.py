@@ -677,15 +677,22 @@ class PostgresStore:
                     broken = True
                     raise StoreUnavailableError(f"statement failed: {type(exc).__name__}") from exc
                 raise
+            # Under the client-side deadline: a COMMIT waiting for a synchronous
+            # standby that is gone ignores statement_timeout and would wait for ever.
+            # Its outcome is then unknown (it lands if the standby returns): 503.
+            ticket = WATCHDOG.watch(conn, self.deadline)
             try:
                 with conn.cursor() as cur:
                     cur.execute("COMMIT")
             except psycopg2.Error as exc:
-                if is_unreachable(exc, conn):
+                if WATCHDOG.unwatch(ticket) or is_unreachable(exc, conn):
                     broken = True
                     raise StoreUnavailableError(f"COMMIT failed: {type(exc).__name__}") from exc
                 broken = _rollback_quietly(conn)
                 raise
+            if WATCHDOG.unwatch(ticket):  # answered just as the socket was shut down
+                broken = True
+                raise StoreUnavailableError("COMMIT had no answer before the deadline")
         finally:
             self.pool.putconn(conn, discard=broken or bool(conn.closed))
             if broken:
