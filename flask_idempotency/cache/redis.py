@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import redis
 import redis.backoff
+import redis.cluster
 import redis.connection
 import redis.exceptions
 import redis.retry
@@ -39,7 +40,7 @@ from ..keys import log_key
 from ..observability import Observer
 from ..settings import Settings
 from ..store.base import StoredResponse
-from . import codec
+from . import codec, topology
 from .base import CachedRecord
 from .breaker import BreakerState, CircuitBreaker, Transition
 from .wire import ThreadConnections
@@ -79,12 +80,17 @@ class RedisCache:
         max_body: int | None = None,
         breaker: CircuitBreaker | None = None,
         owns_client: bool = False,
+        fast_path: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
-        # Our own client sends on one connection per thread (see ``wire``); an
-        # application's goes through its public API, instrumentation and all.
-        self._wire = ThreadConnections(client.connection_pool) if owns_client else None
+        # Our own plain client sends on one connection per thread (see ``wire``);
+        # an application's, and a Sentinel or Cluster client (whose server moves),
+        # goes through its public API, instrumentation and all.
+        use_wire = owns_client if fast_path is None else fast_path
+        self._wire = ThreadConnections(client.connection_pool) if use_wire else None
+        #: A Redis Cluster refuses multi-key commands across slots: evict per slot.
+        self._cluster = isinstance(client, redis.cluster.RedisCluster)
         self._execute: Callable[..., Any] = (
             self._wire.execute if self._wire is not None else client.execute_command
         )
@@ -113,10 +119,27 @@ class RedisCache:
                 raise ValueError(
                     "IDEMPOTENCY_REDIS must not decode responses: cached entries are binary"
                 )
+        elif settings.redis_url is not None and topology.is_topology_url(settings.redis_url):
+            client = topology.client_for(
+                settings.redis_url, settings.redis_timeout, _lean_handshake_kwargs()
+            )
+            return cls._from_settings(settings, client, owns=True, fast_path=False, clock=clock)
         elif settings.redis_url is not None:
             client, owns = client_from_url(settings.redis_url, settings.redis_timeout), True
         else:
             raise ValueError("Set IDEMPOTENCY_REDIS_URL or IDEMPOTENCY_REDIS")
+        return cls._from_settings(settings, client, owns=owns, fast_path=None, clock=clock)
+
+    @classmethod
+    def _from_settings(
+        cls,
+        settings: Settings,
+        client: Any,
+        *,
+        owns: bool,
+        fast_path: bool | None,
+        clock: Callable[[], float],
+    ) -> RedisCache:
         return cls(
             client,
             prefix=settings.redis_prefix,
@@ -126,6 +149,7 @@ class RedisCache:
                 settings.redis_breaker_threshold, settings.redis_breaker_cooldown, clock=clock
             ),
             owns_client=owns,
+            fast_path=fast_path,
             clock=clock,
         )
 
@@ -182,15 +206,18 @@ class RedisCache:
         self._call("SET", record_key, lambda: self._execute("SET", key, value, "PX", px))
 
     def evict(self, record_keys: Sequence[bytes]) -> None:
-        """One ``DEL`` of every key. On Redis Cluster keys of different records
-        hash to different slots and a multi-key ``DEL`` is refused (CROSSSLOT):
-        a cluster deployment needs one ``DEL`` per slot (redis-py's
-        ``RedisCluster.delete`` splits them so). Eviction is hygiene, not
-        correctness: an entry never outlives its record's TTL anyway."""
+        """One ``DEL`` of every key on a single server. On a Redis Cluster the
+        keys of different records hash to different slots, where a multi-key
+        ``DEL`` is refused (CROSSSLOT): redis-py's ``RedisCluster.delete`` sends
+        one ``DEL`` per slot instead. Eviction is hygiene, not correctness: an
+        entry never outlives its record's TTL anyway."""
         if not record_keys:
             return
         keys = [self.key(k) for k in record_keys]
-        self._call("DEL", record_keys[0], lambda: self._execute("DEL", *keys))
+        if self._cluster:
+            self._call("DEL", record_keys[0], lambda: self.client.delete(*keys))
+        else:
+            self._call("DEL", record_keys[0], lambda: self._execute("DEL", *keys))
 
     def close(self) -> None:
         """Close the client if we built it; an application's own client stays its own."""
@@ -247,6 +274,8 @@ class RedisCache:
         if self._wire is not None:
             self._wire.reset()
         try:
+            if self._cluster:
+                return  # it reloads its slot map and reconnects by itself
             self.client.connection_pool.disconnect(inuse_connections=False)
         except Exception as exc:
             log.debug("idempotency: dropping idle redis connections failed: %s", exc)
