@@ -45,10 +45,13 @@ test-fast: venv
 test-reliability: venv
 	$(PY) -m pytest -m reliability $(PYTEST_ARGS)
 
-# Deployment topologies (tests/topologies): a read-only server and a multi-host
-# DSN, PgBouncer in transaction mode (storm and crash through it, both claim
-# modes), on servers the tests start. Without a pgbouncer binary those tests
-# skip and say why (.ci/run installs Debian's package when it can).
+# Deployment topologies (tests/topologies), on servers the tests start: a
+# read-only server and a multi-host DSN, failover to a streaming standby under
+# load, a lost synchronous standby, PgBouncer in transaction mode (storm and
+# crash through it, both claim modes), TLS to PostgreSQL and Redis, Redis
+# Cluster and Sentinel with failovers. Without a pgbouncer binary, an
+# OpenSSL-built PostgreSQL or a TLS-capable redis-server those tests skip and
+# say why (.ci/run installs Debian's pgbouncer when it can).
 test-topologies: venv
 	$(PY) -m pytest -m topology tests/topologies $(PYTEST_ARGS)
 
