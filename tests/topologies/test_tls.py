@@ -262,12 +262,11 @@ def test_postgres_with_an_untrusted_ca_fails_closed(
         assert app.extensions["runs"] == []
     finally:
         app.extensions["idempotency"].close()
-    # The same server, its name checked against a certificate that does not carry
-    # it: libpq refuses before any query.
-    with pytest.raises(psycopg2.OperationalError, match="certificate|server name|host"):
-        psycopg2.connect(
-            tls_postgres.tls_dsn(authority.ca_cert, host="127.0.0.2"), connect_timeout=3
-        ).close()
+    # The same server and the trusted CA, under a name its certificate does not
+    # carry (hostaddr reaches it; host is what libpq checks): refused before any query.
+    wrong_name = tls_postgres.tls_dsn(authority.ca_cert, host="db.elsewhere.test")
+    with pytest.raises(psycopg2.OperationalError, match="does not match host name"):
+        psycopg2.connect(wrong_name + " hostaddr=127.0.0.1", connect_timeout=3).close()
 
 
 def test_redis_over_verified_tls_serves_replays(
