@@ -192,6 +192,8 @@ def make_app(dsn: str, **config: Any) -> Flask:
         IDEMPOTENCY_SCOPE_FUNC=global_scope,
         IDEMPOTENCY_CONNECT_KWARGS={"application_name": APP_NAME},
         IDEMPOTENCY_CONNECT_TIMEOUT=3,
+        # Answers go to Redis as they commit, so a single retry reads them over TLS.
+        IDEMPOTENCY_REDIS_FILL="completion",
         **config,
     )
     idempotency = Idempotency(app)
@@ -262,6 +264,10 @@ def test_postgres_with_an_untrusted_ca_fails_closed(
         assert app.extensions["runs"] == []
     finally:
         app.extensions["idempotency"].close()
+    # The 503 is the certificate check's refusal, not some other failure.
+    untrusted = tls_postgres.tls_dsn(authority.other_ca_cert)
+    with pytest.raises(psycopg2.OperationalError, match="certificate verify failed"):
+        psycopg2.connect(untrusted).close()
     # The same server and the trusted CA, under a name its certificate does not
     # carry (hostaddr reaches it; host is what libpq checks): refused before any query.
     wrong_name = tls_postgres.tls_dsn(authority.ca_cert, host="db.elsewhere.test")
@@ -293,7 +299,10 @@ def test_redis_over_verified_tls_serves_replays(
 
 
 def test_redis_with_an_untrusted_ca_falls_back_to_postgres(
-    tls_postgres: TlsPostgres, tls_redis: TlsRedis, authority: Authority
+    tls_postgres: TlsPostgres,
+    tls_redis: TlsRedis,
+    authority: Authority,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     app = make_app(
         tls_postgres.tls_dsn(authority.ca_cert),
@@ -308,6 +317,10 @@ def test_redis_with_an_untrusted_ca_falls_back_to_postgres(
         assert counters["replayed_from_cache"] == 0, counters
         assert counters["replayed_from_store"] == 1, counters
         assert len(app.extensions["runs"]) == 1
+        # Refused for the certificate, and counted by the breaker, which opens.
+        warnings = [r.getMessage() for r in caplog.records if r.name.startswith("flask_idem")]
+        assert any("CERTIFICATE_VERIFY_FAILED" in m for m in warnings), warnings
+        assert any("circuit breaker open" in m for m in warnings), warnings
     finally:
         app.extensions["idempotency"].close()
 
