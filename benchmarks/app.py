@@ -17,13 +17,14 @@ that the only difference between two subjects is what idempotency adds:
 ``pg-synccommit``
     ``pg`` with ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT`` off: the claim commits durably
     on its own. It exists to put a number on that setting.
-``pg+redis-fill-on-replay``
-    ``pg+redis`` with ``IDEMPOTENCY_REDIS_FILL = "replay"``: no SET on first
-    requests. Not in the default run; name it with ``--subjects``.
+``pg+redis-fill-on-completion``
+    ``pg+redis`` with ``IDEMPOTENCY_REDIS_FILL = "completion"`` (the default
+    before 0.3): a SET on every first request. Not in the default run; name it
+    with ``--subjects``.
 ``pg-txclaim``, ``pg+redis-txclaim``
     ``pg`` and ``pg+redis`` with ``IDEMPOTENCY_CLAIM_MODE = "transaction"``
     (the claim inside the business transaction, one commit per request).
-    Unavailable until the library has that setting; not in the default run.
+    Unavailable in a checkout whose library lacks that setting.
 ``minimum-pg+redis``
     a hand-written PostgreSQL-first layer, the floor of a durable design
     (``benchmarks.minimum``).
@@ -68,7 +69,7 @@ SUBJECTS: tuple[str, ...] = (
     "pg",
     "pg+redis",
     "pg-synccommit",
-    "pg+redis-fill-on-replay",
+    "pg+redis-fill-on-completion",
     "pg-txclaim",
     "pg+redis-txclaim",
     "minimum-pg+redis",
@@ -92,7 +93,14 @@ DEFAULT_SUBJECTS: tuple[str, ...] = (
 )
 #: Subjects that run the extension (``subject_config`` configures them).
 EXTENSION_SUBJECTS = frozenset(
-    {"pg", "pg+redis", "pg-synccommit", "pg+redis-fill-on-replay", "pg-txclaim", "pg+redis-txclaim"}
+    {
+        "pg",
+        "pg+redis",
+        "pg-synccommit",
+        "pg+redis-fill-on-completion",
+        "pg-txclaim",
+        "pg+redis-txclaim",
+    }
 )
 #: Subjects that set ``IDEMPOTENCY_CLAIM_MODE = "transaction"``.
 TXCLAIM_SUBJECTS = frozenset({"pg-txclaim", "pg+redis-txclaim"})
@@ -107,7 +115,7 @@ PEERS: dict[str, tuple[str, str]] = {
 REDIS_SUBJECTS = frozenset(
     {
         "pg+redis",
-        "pg+redis-fill-on-replay",
+        "pg+redis-fill-on-completion",
         "pg+redis-txclaim",
         "minimum-pg+redis",
         "flask-once-redis",
@@ -214,8 +222,8 @@ def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
     if subject in REDIS_SUBJECTS:
         config["IDEMPOTENCY_REDIS_URL"] = redis
         config["IDEMPOTENCY_REDIS_PREFIX"] = REDIS_PREFIX
-    if subject == "pg+redis-fill-on-replay":
-        config["IDEMPOTENCY_REDIS_FILL"] = "replay"
+    if subject == "pg+redis-fill-on-completion":
+        config["IDEMPOTENCY_REDIS_FILL"] = "completion"
     if subject == "pg-synccommit":
         config["IDEMPOTENCY_ASYNC_CLAIM_COMMIT"] = False
     if subject in TXCLAIM_SUBJECTS:

@@ -108,12 +108,12 @@ class Settings:
     #: ``IDEMPOTENCY_REDIS_COMPRESS_OVER``: bodies above this many bytes are zlib-compressed.
     redis_compress_over: int = 4096
     #: ``IDEMPOTENCY_REDIS_FILL``: when a completed response is copied to Redis.
-    #: ``"completion"``: every one, as it commits; a retry is then answered from
-    #: Redis even while PostgreSQL is down, and Redis holds every response for
-    #: its TTL. ``"replay"``: the first time it is replayed from PostgreSQL; first
-    #: requests skip the SET (about 7% more of them per second here) and Redis
-    #: holds only keys that were retried.
-    redis_fill: str = "completion"
+    #: ``"replay"`` (the default): the first time it is replayed from PostgreSQL;
+    #: first requests skip the SET, and Redis holds only keys that were retried
+    #: (most keys never are). ``"completion"``: every one, as it commits; a retry
+    #: is then answered from Redis even while PostgreSQL is down, at the price of
+    #: a SET per first request and every response in Redis for its TTL.
+    redis_fill: str = "replay"
     #: ``IDEMPOTENCY_PROFILE``: the API conventions spoken (``flask_idempotency.profiles``):
     #: ``"stripe"`` (JSON errors, ``Idempotent-Replayed: true|false``) or ``"ietf"``
     #: (RFC 9457 problem details, ``Idempotency-Replayed: true`` on replays only).

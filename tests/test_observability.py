@@ -141,6 +141,7 @@ def test_every_outcome_is_counted_logged_and_labelled_once(
         expected[route, outcome, source] += 1
 
     expect(201, post(app, {}, SECRET), "executed")
+    expect(201, post(app, {}, SECRET), "replayed/store")  # and copied to Redis
     expect(201, post(app, {}, SECRET), "replayed/cache")
     state.cache.client.flushdb()
     expect(201, post(app, {}, SECRET), "replayed/store")
@@ -178,9 +179,9 @@ def test_every_outcome_is_counted_logged_and_labelled_once(
     assert sample(registry, "flask_idempotency_pool_connections_in_use") == 0
     assert sample(registry, "flask_idempotency_pool_connections_max") == 10
     assert sample(registry, "flask_idempotency_cache_lookups_total", result="hit") == 2
-    # Claims: the first, the store replay, the 5xx, the raise, the big one, the slow
-    # one and its duplicate, the one that found PostgreSQL gone.
-    assert sample(registry, "flask_idempotency_claim_duration_seconds_count") == 8
+    # Claims: the first, the two store replays, the 5xx, the raise, the big one, the
+    # slow one and its duplicate, the one that found PostgreSQL gone.
+    assert sample(registry, "flask_idempotency_claim_duration_seconds_count") == 9
     assert sample(registry, "flask_idempotency_completion_duration_seconds_count") == 2
     text, content_type = metrics.exposition()
     assert content_type.startswith("text/plain")
@@ -196,7 +197,7 @@ def test_every_outcome_is_counted_logged_and_labelled_once(
         "released": 2,
         "not_storable": 1,
         "replayed_from_cache": 1,
-        "replayed_from_store": 1,
+        "replayed_from_store": 2,
         "key_reused": 1,
         "in_progress": 1,
         "store_unavailable": 1,
@@ -434,7 +435,9 @@ def test_redis_down_shows_in_the_breaker_and_its_logger_is_silenced_alone(
     make_app: MakeApp, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = make_app(
-        IDEMPOTENCY_REDIS_URL="redis://127.0.0.1:9/0", IDEMPOTENCY_REDIS_BREAKER_THRESHOLD=2
+        IDEMPOTENCY_REDIS_URL="redis://127.0.0.1:9/0",
+        IDEMPOTENCY_REDIS_BREAKER_THRESHOLD=2,
+        IDEMPOTENCY_REDIS_FILL="completion",  # so that a first request also sends a SET
     )
     PrometheusMetrics(app, registry=registry)
     assert sample(registry, "flask_idempotency_redis_breaker_state", state="closed") == 1

@@ -310,7 +310,8 @@ class TestWithRedis:
         self, make_subject: MakeSubject, clean_redis: str
     ) -> None:
         subject = make_subject("pg+redis", redis_url=clean_redis)
-        first = subject.post("cached-1")  # the completion puts the response in Redis
+        first = subject.post("cached-1")
+        subject.post("cached-1")  # the first replay, from PostgreSQL, puts it in Redis
         response, trace = subject.counted("cached-1")
         assert response.status_code == 201
         assert response.headers["Idempotent-Replayed"] == "true"
@@ -319,10 +320,24 @@ class TestWithRedis:
         assert redis_writes(trace) == 1
         assert pg(trace) == [], "a Redis replay must not touch PostgreSQL"
 
-    def test_first_request_adds_a_get_before_and_a_set_after(
+    def test_first_request_adds_one_get_over_postgres_and_the_first_replay_fills(
         self, make_subject: MakeSubject, clean_redis: str
     ) -> None:
+        """IDEMPOTENCY_REDIS_FILL = "replay", the default: no SET on a first request."""
         subject = make_subject("pg+redis", redis_url=clean_redis)
+        response, trace = subject.counted("fill-later-1")
+        assert response.status_code == 201
+        assert kinds(trace) == ["GET", "claim", "BEGIN", "business INSERT", "complete+COMMIT"]
+        assert redis_writes(trace) == 1
+        _replayed, trace = subject.counted("fill-later-1")
+        assert kinds(trace) == ["GET", "claim", "SET"]  # the first replay makes the copy
+        _again, trace = subject.counted("fill-later-1")
+        assert kinds(trace) == ["GET"]
+
+    def test_filling_on_completion_adds_a_set_after_the_commit(
+        self, make_subject: MakeSubject, clean_redis: str
+    ) -> None:
+        subject = make_subject("pg+redis-fill-on-completion", redis_url=clean_redis)
         response, trace = subject.counted("cached-first")
         assert response.status_code == 201
         assert kinds(trace) == [
@@ -334,17 +349,7 @@ class TestWithRedis:
             "SET",  # only after the commit: Redis never holds an uncommitted answer
         ]
         assert redis_writes(trace) == 2
-
-    def test_filling_on_replay_leaves_the_first_request_one_get_over_postgres(
-        self, make_subject: MakeSubject, clean_redis: str
-    ) -> None:
-        subject = make_subject("pg+redis-fill-on-replay", redis_url=clean_redis)
-        response, trace = subject.counted("fill-later-1")
-        assert response.status_code == 201
-        assert kinds(trace) == ["GET", "claim", "BEGIN", "business INSERT", "complete+COMMIT"]
-        _replayed, trace = subject.counted("fill-later-1")
-        assert kinds(trace) == ["GET", "claim", "SET"]  # the first replay makes the copy
-        _again, trace = subject.counted("fill-later-1")
+        _replayed, trace = subject.counted("cached-first")
         assert kinds(trace) == ["GET"]
 
     def test_replay_missing_from_redis_is_one_statement_then_cached(
@@ -415,11 +420,25 @@ class TestTransactionClaimMode:
         assert kinds(trace) == ["BEGIN+claim", "ROLLBACK"]
 
     @pytest.mark.skipif(REDIS_CACHE_MISSING, reason="no Redis cache in this checkout")
-    def test_with_redis_the_first_request_adds_a_get_and_a_set(
+    def test_with_redis_the_first_request_adds_one_get(
         self, make_subject: MakeSubject, clean_redis: str
     ) -> None:
         subject = make_subject("pg+redis", redis_url=clean_redis, **TRANSACTION_MODE)
         response, trace = subject.counted("tx-cached-1")
+        assert response.status_code == 201
+        assert kinds(trace) == ["GET", "BEGIN+claim", "business INSERT", "insert completed+COMMIT"]
+        _replayed, trace = subject.counted("tx-cached-1")
+        assert kinds(trace) == ["GET", "BEGIN+claim", "ROLLBACK", "SET"]
+        _again, trace = subject.counted("tx-cached-1")
+        assert kinds(trace) == ["GET"]
+
+    def test_with_redis_filled_on_completion_the_first_request_adds_a_get_and_a_set(
+        self, make_subject: MakeSubject, clean_redis: str
+    ) -> None:
+        subject = make_subject(
+            "pg+redis-fill-on-completion", redis_url=clean_redis, **TRANSACTION_MODE
+        )
+        response, trace = subject.counted("tx-cached-2")
         assert response.status_code == 201
         assert kinds(trace) == [
             "GET",
@@ -428,5 +447,5 @@ class TestTransactionClaimMode:
             "insert completed+COMMIT",
             "SET",
         ]
-        _again, trace = subject.counted("tx-cached-1")
+        _again, trace = subject.counted("tx-cached-2")
         assert kinds(trace) == ["GET"]

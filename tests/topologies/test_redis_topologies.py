@@ -79,6 +79,8 @@ def make_app(dsn: str, **redis_config: Any) -> Flask:
         IDEMPOTENCY_REDIS_PREFIX=PREFIX,
         IDEMPOTENCY_REDIS_TIMEOUT=0.5,
         IDEMPOTENCY_REDIS_BREAKER_COOLDOWN=1.0,
+        # Every answer goes to Redis as it commits, so that each one tests the topology.
+        IDEMPOTENCY_REDIS_FILL="completion",
         **redis_config,
     )
     idempotency = Idempotency(app)
