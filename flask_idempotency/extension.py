@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -219,9 +220,12 @@ class RouteDecorator:
         )
 
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+            # Flask's ensure_sync asks this on every call; a view's kind never changes.
+            is_async = inspect.iscoroutinefunction(fn)
+
             @functools.wraps(fn)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                return _run_idempotent(options, fn, args, kwargs)
+                return _run_idempotent(options, fn, is_async, args, kwargs)
 
             # How the recover command finds the route (decorators above copy it).
             setattr(wrapper, recovery.ROUTE_ATTRIBUTE, options)
@@ -410,7 +414,9 @@ def _request_state() -> RequestState | None:
     return ctx
 
 
-def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _run_idempotent(
+    options: RouteOptions, view: Callable[..., Any], is_async: bool, args: Any, kwargs: Any
+) -> Any:
     # Resolved once: every attribute read through Flask's proxies costs a context
     # lookup, and the hot path reads the request about twenty times.
     app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
@@ -418,7 +424,7 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
         # A decorated view called from another one: the outer view's claim (or its
         # keyless transaction) already covers this request. A second claim of the
         # same key would answer 409 inside the outer view and wedge its record.
-        return app.ensure_sync(view)(*args, **kwargs)
+        return _sync(app, view, is_async)(*args, **kwargs)
     started = time.monotonic()
     req: Request = request._get_current_object()  # type: ignore[attr-defined]
     state = _app_state(app)
@@ -438,7 +444,7 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
             raise
     if key is None:
         g._idempotency = RequestState(state, None, b"", route, started=started, request=req)
-        return _call_view(g._idempotency, app, view, args, kwargs)
+        return _call_view(g._idempotency, app, _sync(app, view, is_async), args, kwargs)
 
     try:
         scope = keys.resolve_scope(route.scope_func, req)
@@ -486,7 +492,7 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
         state.metrics.claimed(ctx)
         if ctx.tx.holds_lease:
             state.keeper.hold(LeaseHold(record_key, decision.token, route.lease))
-        return _call_view(ctx, app, view, args, kwargs)
+        return _call_view(ctx, app, _sync(app, view, is_async), args, kwargs)
 
     ctx.tx.close()
     if isinstance(decision, flow.Replay):
@@ -506,13 +512,19 @@ def _run_idempotent(options: RouteOptions, view: Callable[..., Any], args: Any, 
     )
 
 
+def _sync(app: Flask, view: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
+    """The view as WSGI calls it: an ``async def`` one through Flask's ``ensure_sync``."""
+    return app.ensure_sync(view) if is_async else view
+
+
 def _call_view(
     ctx: RequestState, app: Flask, view: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
-    """Run the view; if it raises, nothing of the attempt is kept, whatever answer an
-    error handler later renders for the exception (a 402 included)."""
+    """Run the (synchronous) view; if it raises, nothing of the attempt is kept,
+    whatever answer an error handler later renders for the exception (a 402
+    included)."""
     try:
-        return app.ensure_sync(view)(*args, **kwargs)
+        return view(*args, **kwargs)
     except BaseException as exc:
         ctx.raised = True
         ctx.own_error = isinstance(exc, IdempotencyError)

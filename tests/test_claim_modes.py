@@ -88,3 +88,28 @@ def test_a_raise_rolls_back_and_frees_the_key(make_app: MakeApp, database_url: s
     assert again.status_code == 500  # ran again: nothing was kept
     assert app.extensions["runs"] == ["charges", "charges"]
     assert app.extensions["idempotency"].keeper.held() == []
+
+
+def test_a_schema_without_the_read_only_check_answers_503_and_runs_nothing(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """Code that relies on migration 0007's check, on a schema that lacks it (the
+    migration not run before a deploy), refuses to claim rather than claim unchecked."""
+    app = make_app(**TRANSACTION)  # migrated: the function exists
+    sql(database_url, "DROP FUNCTION idempotency_claim_in_transaction_rw(bytea, bigint, bigint)")
+    try:
+        client = app.test_client()
+        answer = client.post("/charges", json={}, headers={"Idempotency-Key": "tx-unmigrated"})
+        assert answer.status_code == 503
+        assert answer.get_json()["error"]["code"] == "store_unavailable"
+        assert app.extensions["runs"] == []
+        assert sql(database_url, "SELECT count(*) FROM idempotency_records") == [(0,)]
+    finally:
+        # Put the function back for the tests after this one, as `migrate` would.
+        sql(
+            database_url,
+            "DELETE FROM idempotency_schema_migrations WHERE name LIKE %s",
+            ("%0007%",),
+        )
+        state = app.extensions["idempotency"]
+        state.store.migrate(state.settings.migration_dirs)

@@ -9,6 +9,7 @@ with its ``COMMIT``), and the release.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import threading
@@ -19,7 +20,6 @@ from typing import Any
 
 import psycopg2
 import psycopg2.extensions
-import psycopg2.extras
 
 from . import migrations
 from .base import (
@@ -154,18 +154,15 @@ ASYNC_COMMIT_PREFIX = "SET LOCAL synchronous_commit TO off;\n"
 
 COMPLETE = "SELECT idempotency_complete(%s, %s::bigint, %s::smallint, %s::jsonb, %s)"
 
-#: ``claim_mode = "transaction"`` (migration 0005): the business transaction opens
-#: with the claim, under two advisory locks, in one round trip; the completed
-#: record is inserted by the view's own COMMIT. No processing row, no lease.
-#: Advisory locks and reads work on a read-only server (a hot standby, one with
-#: ``default_transaction_read_only``), so the claim first runs a write that
-#: touches nothing: there it fails with SQLSTATE 25006 before anything is
-#: claimed or any view runs (a 503, and the connection is replaced), as the
-#: row-mode claim's INSERT does. On a writable server it costs a few microseconds.
-READ_WRITE_GUARD = "DELETE FROM idempotency_records WHERE false;\n"
-CLAIM_IN_TRANSACTION = (
-    "BEGIN;\n" + READ_WRITE_GUARD + "SELECT * FROM idempotency_claim_in_transaction(%s, %s, %s)"
-)
+#: ``claim_mode = "transaction"`` (migrations 0005 and 0007): the business
+#: transaction opens with the claim, under two advisory locks, in one round trip;
+#: the completed record is inserted by the view's own COMMIT. No processing row,
+#: no lease. Advisory locks and reads work on a read-only server (a hot standby,
+#: one with ``default_transaction_read_only``), so the claim function first
+#: checks ``transaction_read_only`` and raises SQLSTATE 25006 there, before
+#: anything is claimed or any view runs (a 503, and the connection is replaced),
+#: as the row-mode claim's INSERT does.
+CLAIM_IN_TRANSACTION = "BEGIN;\nSELECT * FROM idempotency_claim_in_transaction_rw(%s, %s, %s)"
 INSERT_COMPLETED = (
     "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s);\nCOMMIT"
 )
@@ -444,7 +441,8 @@ class PostgresRequest:
             record_key,
             token,
             response.status,
-            psycopg2.extras.Json([list(h) for h in response.headers]),
+            # Pairs as a JSON array of arrays; the statement casts it to jsonb.
+            json.dumps(response.headers),
             psycopg2.Binary(response.body),
         )
         # The timeouts come after the view's last statement, in the same round trip.
