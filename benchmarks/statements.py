@@ -1,0 +1,259 @@
+"""``python -m benchmarks.statements``: where a first request's database cost goes.
+
+The full benchmark says how much CPU the extension adds per first request and
+splits it by process (app, PostgreSQL, Redis). This probe splits PostgreSQL's
+share by statement. On one connection, with nothing else queued, it runs the
+database work of one first request many times, for each of these sequences,
+interleaved over rounds:
+
+* ``bare``: ``BEGIN``, the business ``INSERT``, ``COMMIT`` (no idempotency);
+* ``row``: the library's row-mode first request through ``PostgresStore``: the
+  claim (committed on its own, asynchronously), ``BEGIN``, the ``INSERT``,
+  the completion with the ``COMMIT``;
+* ``transaction``: the transaction claim mode: ``BEGIN`` with the claim, the
+  ``INSERT``, the completed record's ``INSERT`` with the ``COMMIT``;
+* ``transaction claim only``: that claim and a ``ROLLBACK``, against
+  ``BEGIN`` and ``ROLLBACK`` alone (``begin+rollback``): the claim's own cost;
+* ``bare + record``: ``bare`` with the completed record inserted before its
+  ``COMMIT``: what storing the answer durably costs, without any claim.
+
+For each it prints the backend's CPU (from ``/proc``, so run it on the
+database's machine), this process's CPU (driver, library and socket calls)
+and the WAL written, per request, and the difference to ``bare``. It needs
+the benchmark's database (``BENCH_DATABASE_URL``, migrated on start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg2
+import psycopg2.extras
+
+from flask_idempotency.store.base import Claimed, StoredResponse
+from flask_idempotency.store.pool import ConnectionPool
+from flask_idempotency.store.postgres import PostgresRequest, PostgresStore
+
+from .app import INSERT_CHARGE, database_url, prepare_database
+
+#: The benchmark app's answer, as the extension stores it.
+RESPONSE = StoredResponse(
+    201,
+    (("Content-Type", "application/json"),),
+    b'{"amount": 1000, "currency": "usd", "id": 123456, "status": "succeeded"}',
+)
+TTL = 86400.0
+LEASE = 30.0
+
+
+@dataclass(frozen=True)
+class Cost:
+    backend_us: float
+    client_us: float
+    wall_us: float
+    wal_bytes: float
+
+
+class Probe:
+    """A store per claim mode (a pool of one connection each), and a plain
+    connection for the sequences without the extension."""
+
+    def __init__(self, dsn: str) -> None:
+        self.stores = {
+            mode: PostgresStore(ConnectionPool(dsn, max_size=1), claim_mode=mode)
+            for mode in ("row", "transaction")
+        }
+        self.plain = psycopg2.connect(dsn)
+        self.plain.autocommit = True
+        self.side = psycopg2.connect(dsn)
+        self.side.autocommit = True
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+        self.plain.close()
+        self.side.close()
+
+    def backend_pid(self, connection: str) -> int:
+        """The backend of ``"plain"`` or of a claim mode's pooled connection."""
+        if connection == "plain":
+            return int(self.plain.get_backend_pid())
+        tx = self.stores[connection].begin()
+        try:
+            pid: int = tx.connection().get_backend_pid()
+        finally:
+            tx.close()
+        return pid
+
+    def wal_lsn(self) -> str:
+        with self.side.cursor() as cur:
+            cur.execute("SELECT pg_current_wal_insert_lsn()::text")
+            row = cur.fetchone()
+        assert row is not None
+        return str(row[0])
+
+    def wal_between(self, start: str, end: str) -> float:
+        with self.side.cursor() as cur:
+            cur.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)", (end, start))
+            row = cur.fetchone()
+        assert row is not None
+        return float(row[0])
+
+
+def backend_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def new_key() -> tuple[bytes, bytes]:
+    record_key = hashlib.sha256(secrets.token_bytes(16)).digest()
+    return record_key, hashlib.sha256(record_key).digest()
+
+
+def business_insert(tx: PostgresRequest) -> None:
+    with tx.connection().cursor() as cur:
+        cur.execute(INSERT_CHARGE, (1000, "usd"))
+        cur.fetchone()
+
+
+def first_request(store: PostgresStore) -> None:
+    """The database work of one first request, as the extension does it."""
+    record_key, fingerprint = new_key()
+    tx = store.begin()
+    try:
+        claimed = tx.claim(record_key, fingerprint, lease=LEASE, ttl=TTL)
+        assert isinstance(claimed, Claimed), claimed
+        business_insert(tx)
+        tx.complete(record_key, claimed.token, RESPONSE)
+    finally:
+        tx.close()
+
+
+def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
+    """Each sequence, with the connection (so the backend) it runs on."""
+    row, transaction = probe.stores["row"], probe.stores["transaction"]
+    plain = probe.plain
+    headers = psycopg2.extras.Json([list(h) for h in RESPONSE.headers])
+    body = psycopg2.Binary(RESPONSE.body)
+
+    def bare() -> None:
+        with plain.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute("COMMIT")
+
+    def bare_and_record() -> None:
+        # Transaction mode's completion (the completed record's INSERT, then the
+        # COMMIT, in one round trip) on a transaction with no claim before it.
+        record_key, fingerprint = new_key()
+        with plain.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(
+                transaction.insert_completed,
+                (record_key, fingerprint, TTL, RESPONSE.status, headers, body),
+            )
+
+    def begin_rollback() -> None:
+        with plain.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute("ROLLBACK")
+
+    def claim_only() -> None:
+        record_key, fingerprint = new_key()
+        tx = transaction.begin()
+        try:
+            tx.claim(record_key, fingerprint, lease=LEASE, ttl=TTL)
+        finally:
+            tx.close()  # the ROLLBACK
+
+    return {
+        "bare": ("plain", bare),
+        "row": ("row", lambda: first_request(row)),
+        "transaction": ("transaction", lambda: first_request(transaction)),
+        "bare + record": ("plain", bare_and_record),
+        "begin+rollback": ("plain", begin_rollback),
+        "transaction claim only": ("transaction", claim_only),
+    }
+
+
+def measure(probe: Probe, connection: str, run: Callable[[], None], requests: int) -> Cost:
+    pid = probe.backend_pid(connection)
+    for _ in range(min(200, requests)):
+        run()  # warm: plans, caches, the pool's connection
+    lsn = probe.wal_lsn()
+    backend = backend_cpu_seconds(pid)
+    client, wall = time.process_time(), time.perf_counter()
+    for _ in range(requests):
+        run()
+    wall = time.perf_counter() - wall
+    client = time.process_time() - client
+    backend = backend_cpu_seconds(pid) - backend
+    wal = probe.wal_between(lsn, probe.wal_lsn())
+    return Cost(
+        backend / requests * 1e6, client / requests * 1e6, wall / requests * 1e6, wal / requests
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.statements", description=__doc__)
+    parser.add_argument("--requests", type=int, default=3000, help="per sequence and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--database-url", default=None)
+    args = parser.parse_args(argv)
+    dsn = args.database_url or database_url()
+    prepare_database(dsn)
+    probe = Probe(dsn)
+    results: dict[str, list[Cost]] = {}
+    try:
+        runs = sequences(probe)
+        names = list(runs)
+        for round_no in range(args.rounds):
+            order = names[round_no % len(names) :] + names[: round_no % len(names)]
+            for name in order:
+                connection, run = runs[name]
+                cost = measure(probe, connection, run, args.requests)
+                results.setdefault(name, []).append(cost)
+    finally:
+        probe.close()
+    report(results, args)
+
+
+def median_of(costs: list[Cost], field: str) -> float:
+    return float(statistics.median(getattr(cost, field) for cost in costs))
+
+
+def report(results: dict[str, list[Cost]], args: Any) -> None:
+    print(
+        f"per request, medians of {args.rounds} interleaved rounds of {args.requests} "
+        "(one connection; CPU from /proc and this process)"
+    )
+    print(
+        f"{'sequence':<24}{'backend us':>11}{'client us':>11}{'wall us':>9}{'WAL B':>8}"
+        f"{'+backend':>10}{'+client':>9}"
+    )
+    base_backend = median_of(results["bare"], "backend_us")
+    base_client = median_of(results["bare"], "client_us")
+    for name, costs in results.items():
+        backend = median_of(costs, "backend_us")
+        client = median_of(costs, "client_us")
+        print(
+            f"{name:<24}{backend:>11.0f}{client:>11.0f}{median_of(costs, 'wall_us'):>9.0f}"
+            f"{median_of(costs, 'wal_bytes'):>8.0f}{backend - base_backend:>+10.0f}"
+            f"{client - base_client:>+9.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

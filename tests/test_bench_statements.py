@@ -1,0 +1,32 @@
+"""``python -m benchmarks.statements`` at a tiny size: every sequence runs through the
+library's own store and is reported (the figures are for the benchmarks README)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import statements
+
+
+def test_statements_smoke(clean_db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        statements.main(["--requests", "20", "--rounds", "1", "--database-url", clean_db])
+    except FileNotFoundError as exc:  # /proc/<backend pid>: PostgreSQL on another machine
+        pytest.skip(f"the backend's CPU cannot be read here: {exc}")
+    out = capsys.readouterr().out
+    lines = {line.split("  ")[0]: line for line in out.splitlines()[2:]}
+    assert set(lines) == {
+        "bare",
+        "row",
+        "transaction",
+        "bare + record",
+        "begin+rollback",
+        "transaction claim only",
+    }, out
+    # Each first request left its record, completed: 20 per round and 200 of warm-up.
+    import psycopg2
+
+    with psycopg2.connect(clean_db) as conn, conn.cursor() as cur:
+        cur.execute("SELECT state, count(*) FROM idempotency_records GROUP BY state")
+        assert dict(cur.fetchall()) == {"completed": 3 * 40}
+    conn.close()
