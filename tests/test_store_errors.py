@@ -10,6 +10,7 @@ retry a request that can never succeed. One classifier,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -199,3 +200,31 @@ def test_the_classifier_on_real_errors(database_url: str) -> None:
     closed = error_of(conn, "SELECT 1")
     assert isinstance(closed, psycopg2.InterfaceError)
     assert is_unreachable(closed)
+
+
+def test_a_start_without_postgres_logs_why_the_connection_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The start-up log names what libpq reported (here: refused, on which port), so
+    an operator can tell a closed port from a bad certificate or a wrong password;
+    the class name alone ("OperationalError") could not."""
+    from flask_idempotency.store.errors import MAX_REASON_LENGTH, connect_failure
+
+    port = free_port()
+    app = Flask(__name__)
+    app.config.update(
+        IDEMPOTENCY_DATABASE_URL=f"postgresql://nobody@127.0.0.1:{port}/none",
+        IDEMPOTENCY_CONNECT_TIMEOUT=2,
+        IDEMPOTENCY_AUTO_MIGRATE=True,
+    )
+    caplog.set_level(logging.ERROR, logger="flask_idempotency")
+    Idempotency(app)  # starts anyway; migrates once PostgreSQL answers
+    app.extensions["idempotency"].close()
+    logged = [r.getMessage() for r in caplog.records if "unreachable at start" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert f"port {port} failed" in logged[0] and "Connection refused" in logged[0], logged
+    assert "nobody@" not in logged[0]  # the DSN itself is not logged
+
+    long = psycopg2.OperationalError("x" * 500 + "\nsecond line")
+    assert connect_failure(long) == "OperationalError: " + "x" * (MAX_REASON_LENGTH - 1) + "…"
+    assert connect_failure(psycopg2.OperationalError("")) == "OperationalError"

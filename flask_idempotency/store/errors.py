@@ -49,3 +49,22 @@ def is_unreachable(exc: BaseException, conn: Any = None) -> bool:
         code = exc.pgcode
         return not code or code.startswith("08") or code in UNREACHABLE_SQLSTATES
     return False
+
+
+#: The most of libpq's message that goes into a log line.
+MAX_REASON_LENGTH = 200
+
+
+def connect_failure(exc: BaseException) -> str:
+    """Why a connection could not be opened, for the log: the exception's class and
+    the first line of libpq's message (the host and port it tried, and what failed:
+    refused, timed out, a certificate not verified, authentication).
+
+    libpq's messages name hosts, ports and users, never a password; the class
+    alone ("OperationalError") left an operator guessing at start-up.
+    """
+    first_line = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    if len(first_line) > MAX_REASON_LENGTH:
+        first_line = first_line[: MAX_REASON_LENGTH - 1] + "…"
+    name = type(exc).__name__
+    return f"{name}: {first_line}" if first_line else name

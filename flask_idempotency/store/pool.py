@@ -28,7 +28,7 @@ import psycopg2.pool
 
 from ..observability import Observer
 from .base import StoreUnavailableError
-from .errors import is_unreachable
+from .errors import connect_failure, is_unreachable
 
 Connection = psycopg2.extensions.connection
 
@@ -146,7 +146,7 @@ class ConnectionPool(_Pool):
         except psycopg2.Error as exc:
             self._slots.release()
             raise StoreUnavailableError(
-                f"cannot connect to PostgreSQL: {type(exc).__name__}"
+                f"cannot connect to PostgreSQL: {connect_failure(exc)}"
             ) from exc
         except BaseException:
             self._slots.release()
@@ -182,7 +182,7 @@ class ConnectionPool(_Pool):
                     conn = psycopg2.connect(self._dsn, **self._connect_kwargs)
                 except psycopg2.Error as exc:
                     raise StoreUnavailableError(
-                        f"cannot connect to PostgreSQL: {type(exc).__name__}"
+                        f"cannot connect to PostgreSQL: {connect_failure(exc)}"
                     ) from exc
                 conn.autocommit = True
                 self._renewal = conn
@@ -257,7 +257,7 @@ class BorrowedPool(_Pool):
             conn: Connection = self._pool.getconn()
         except psycopg2.Error as exc:
             raise StoreUnavailableError(
-                f"cannot connect to PostgreSQL: {type(exc).__name__}"
+                f"cannot connect to PostgreSQL: {connect_failure(exc)}"
             ) from exc
         try:
             self._lent[conn] = bool(conn.autocommit)

@@ -10,6 +10,7 @@ and fall back to PostgreSQL for Redis (the cache is only a fast path).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import signal
 import ssl
@@ -252,10 +253,14 @@ def test_postgres_over_verified_tls(
 
 
 def test_postgres_with_an_untrusted_ca_fails_closed(
-    tls_postgres: TlsPostgres, authority: Authority
+    tls_postgres: TlsPostgres, authority: Authority, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The server's certificate was not signed by the CA this app trusts.
+    caplog.set_level(logging.ERROR, logger="flask_idempotency")
     app = make_app(tls_postgres.tls_dsn(authority.other_ca_cert))
+    # The operator's log says why: libpq's reason, not only "OperationalError".
+    started = [r.getMessage() for r in caplog.records if "unreachable at start" in r.getMessage()]
+    assert len(started) == 1 and "certificate verify failed" in started[0], started
     try:
         answer = post(app, "tls-untrusted")
         assert answer.status_code == 503, answer.get_data()
