@@ -91,17 +91,9 @@ DEFAULT_SUBJECTS: tuple[str, ...] = (
     "flask-once-redis",
     # powertools-redis joins with --subjects: two peers keep the run near 18 minutes.
 )
-#: Subjects that run the extension (``subject_config`` configures them).
-EXTENSION_SUBJECTS = frozenset(
-    {
-        "pg",
-        "pg+redis",
-        "pg-synccommit",
-        "pg+redis-fill-on-completion",
-        "pg-txclaim",
-        "pg+redis-txclaim",
-    }
-)
+#: Subjects that run the extension (``subject_config`` configures them): named
+#: after the store, ``pg`` and its variants. The other layers' names end in theirs.
+EXTENSION_SUBJECTS = frozenset(subject for subject in SUBJECTS if subject.startswith("pg"))
 #: Subjects that set ``IDEMPOTENCY_CLAIM_MODE = "transaction"``.
 TXCLAIM_SUBJECTS = frozenset({"pg-txclaim", "pg+redis-txclaim"})
 MINIMUM = "minimum-pg+redis"

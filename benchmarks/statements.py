@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg2
-import psycopg2.extras
 
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.pool import ConnectionPool
-from flask_idempotency.store.postgres import PostgresRequest, PostgresStore
+from flask_idempotency.store.postgres import PostgresRequest, PostgresStore, response_params
 
 from .app import INSERT_CHARGE, database_url, prepare_database
 
@@ -142,8 +141,6 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
     """Each sequence, with the connection (so the backend) it runs on."""
     row, transaction = probe.stores["row"], probe.stores["transaction"]
     plain = probe.plain
-    headers = psycopg2.extras.Json([list(h) for h in RESPONSE.headers])
-    body = psycopg2.Binary(RESPONSE.body)
 
     def bare() -> None:
         with plain.cursor() as cur:
@@ -162,7 +159,7 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
             cur.fetchone()
             cur.execute(
                 transaction.insert_completed,
-                (record_key, fingerprint, TTL, RESPONSE.status, headers, body),
+                (record_key, fingerprint, TTL, *response_params(RESPONSE)),
             )
 
     def begin_rollback() -> None:

@@ -3,6 +3,7 @@ library's own store and is reported (the figures are for the benchmarks README).
 
 from __future__ import annotations
 
+import psycopg2
 import pytest
 
 from benchmarks import statements
@@ -23,9 +24,7 @@ def test_statements_smoke(clean_db: str, capsys: pytest.CaptureFixture[str]) -> 
         "begin+rollback",
         "transaction claim only",
     }, out
-    # Each first request left its record, completed: 20 per round and 200 of warm-up.
-    import psycopg2
-
+    # Each first request left its record, completed: 20 measured and 20 of warm-up.
     with psycopg2.connect(clean_db) as conn, conn.cursor() as cur:
         cur.execute("SELECT state, count(*) FROM idempotency_records GROUP BY state")
         assert dict(cur.fetchall()) == {"completed": 3 * 40}

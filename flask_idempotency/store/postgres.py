@@ -244,6 +244,12 @@ def headers_from_json(raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple((str(k), str(v)) for k, v in (raw or ()))
 
 
+def response_params(response: StoredResponse) -> tuple[int, str, Any]:
+    """A stored answer as the completion statements take it: the status, the header
+    pairs as a JSON array of arrays (each statement casts it to jsonb), the body."""
+    return response.status, json.dumps(response.headers), psycopg2.Binary(response.body)
+
+
 def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:
     """The request's and the key's advisory lock ids: signed 64-bit digests, so
     distinct keys collide with odds of 2**-64 (and then only answer a spurious 409)."""
@@ -437,25 +443,17 @@ class PostgresRequest:
 
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         conn = self._acquire()
-        params = (
-            record_key,
-            token,
-            response.status,
-            # Pairs as a JSON array of arrays; the statement casts it to jsonb.
-            json.dumps(response.headers),
-            psycopg2.Binary(response.body),
-        )
         # The timeouts come after the view's last statement, in the same round trip.
         store = self._store
-        sql_params: tuple[Any, ...] = params
+        answer = response_params(response)
+        sql_params: tuple[Any, ...]
         if self._claimed is not None:
             fingerprint, ttl = self._claimed
-            sql_params = (record_key, fingerprint, ttl, *params[2:])
+            sql_params = (record_key, fingerprint, ttl, *answer)
             sql = store.insert_completed
-        elif self._in_transaction:
-            sql = store.complete_in_transaction
         else:
-            sql = store.complete_alone
+            sql_params = (record_key, token, *answer)
+            sql = store.complete_in_transaction if self._in_transaction else store.complete_alone
         try:
             self._execute(conn, sql, sql_params)
         except psycopg2.Error as exc:
