@@ -35,7 +35,6 @@ from example_app.processor_client import (
 )
 from example_app.schemas import ChargeRequest, load_charge_request, load_customer_query
 from flask_idempotency import Abandoned, StoreUnavailable
-from flask_idempotency.store import StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +90,6 @@ def charge_json(row: tuple[Any, ...]) -> dict[str, Any]:
         "status": status,
         "created": int(created),
     }
-
-
-def _retry_after() -> int:
-    return idempotency.state.settings.retry_after
 
 
 def processor_client() -> ProcessorClient:
@@ -211,7 +206,7 @@ def _record_charge(charge: ChargeRequest, payment_id: str) -> Response:
             # already recorded (a key reused after its TTL) emitted its event then.
             idempotency.emit(CHARGE_SUCCEEDED, {**charge_json(row), "owner": owner})
     except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
-        raise StoreUnavailable(retry_after=_retry_after()) from exc
+        raise StoreUnavailable() from exc
     if row is None:
         # The derived key includes the API key, so this cannot happen; if it does,
         # a 500 stores nothing and records nothing.
@@ -251,9 +246,8 @@ def list_charges() -> Response:
 def healthz() -> Response | tuple[Response, int, dict[str, str]]:
     """Up when PostgreSQL answers: without it no charge can be taken (fail closed)."""
     try:
-        idempotency.state.store.ping()
-    except StoreUnavailableError:
-        retry_after = str(idempotency.state.settings.retry_after)
+        idempotency.ping()
+    except StoreUnavailable as exc:
         body = {"status": "unavailable", "postgres": "unreachable"}
-        return jsonify(body), 503, {"Retry-After": retry_after}
+        return jsonify(body), 503, {"Retry-After": str(exc.retry_after)}
     return jsonify({"status": "ok", "postgres": "ok"})

@@ -188,7 +188,7 @@ def _execute(statement: str, params: tuple[Any, ...]) -> None:
         with idempotency.connection().cursor() as cur:
             cur.execute(statement, params)
     except (psycopg2.OperationalError, psycopg2.InterfaceError) as exc:
-        raise StoreUnavailable(retry_after=idempotency.state.settings.retry_after) from exc
+        raise StoreUnavailable() from exc
 
 
 def _answer(order_id: str, owner: str) -> Response:

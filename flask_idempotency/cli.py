@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from typing import Any
 
 import click
 from flask import current_app, request
@@ -15,17 +14,18 @@ from . import completer, keys
 from .events import outbox
 from .events.commands import relay
 from .keys import parse_key, record_key
+from .state import AppState, app_state
 from .store.base import StoreUnavailableError
 
 group = AppGroup("idempotency", help="Maintain the idempotency records.")
 group.add_command(relay)
 
 
-def _state() -> Any:
+def _state() -> AppState:
     try:
-        return current_app.extensions["idempotency"]
-    except KeyError:
-        raise click.ClickException("flask_idempotency is not initialised on this app") from None
+        return app_state()
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _record_key(

@@ -42,20 +42,18 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from flask import Flask, Response, g
+from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
 from . import flow, keys, responses
 from .errors import LeaseLost, StoreUnavailable
 from .recovery import Abandoned, recoverable_routes
 from .route_options import EffectiveOptions, RouteOptions
+from .state import RequestState, app_state, bound, unbind
 from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError
 from .store.postgres import PostgresRequest, new_token
-
-if TYPE_CHECKING:
-    from .extension import RequestState
 
 log = logging.getLogger("flask_idempotency.recovery")
 
@@ -131,7 +129,7 @@ SELECT count(*), count(*) FILTER (WHERE recovery IS NOT NULL),
 """
 
 
-class Outcome(enum.Enum):
+class RecoveryOutcome(enum.Enum):
     RECOVERED = "recovered"  # the answer is stored, with the recovery's writes
     RELEASED = "released"  # nothing happened: a later retry runs afresh
     DEFERRED = "deferred"  # cannot tell yet: abandoned again for the next pass
@@ -159,12 +157,10 @@ class Recoverer:
         older_than: float = DEFAULT_OLDER_THAN,
         batch_size: int = DEFAULT_BATCH_SIZE,
     ) -> None:
-        from .extension import _app_state
-
         if older_than < 0 or batch_size < 1:
             raise ValueError("older_than must be >= 0 and batch_size >= 1")
         self.app = app
-        self.state = _app_state(app)
+        self.state = app_state(app)
         if self.state.settings.claim_mode != "row":
             raise RuntimeError(
                 "recovery needs IDEMPOTENCY_CLAIM_MODE = 'row': under "
@@ -175,11 +171,11 @@ class Recoverer:
         self.batch_size = batch_size
         self.lease = self.state.settings.lease
         #: Every outcome so far, over all passes.
-        self.totals: collections.Counter[Outcome] = collections.Counter()
+        self.totals: collections.Counter[RecoveryOutcome] = collections.Counter()
 
     def run(
         self, stop: threading.Event, *, once: bool = False, interval: float = DEFAULT_INTERVAL
-    ) -> collections.Counter[Outcome]:
+    ) -> collections.Counter[RecoveryOutcome]:
         """Passes until ``stop`` is set (or one, with ``once``). An outage ends a
         ``once`` run with ``StoreUnavailableError``; a loop logs it and waits."""
         while True:
@@ -195,10 +191,10 @@ class Recoverer:
             if once or stop.wait(interval):
                 return self.totals
 
-    def run_pass(self, stop: threading.Event | None = None) -> collections.Counter[Outcome]:
+    def run_pass(self, stop: threading.Event | None = None) -> collections.Counter[RecoveryOutcome]:
         """Recover every record abandoned before the pass began; a record handed
         back during the pass waits for the next one."""
-        outcomes: collections.Counter[Outcome] = collections.Counter()
+        outcomes: collections.Counter[RecoveryOutcome] = collections.Counter()
         with self.state.store.transaction() as conn, conn.cursor() as cur:
             cur.execute(PASS_CUTOFF, (self.older_than,))
             row = cur.fetchone()
@@ -245,20 +241,20 @@ class Recoverer:
             self.state.metrics.inc("abandoned")
         return taken
 
-    def recover(self, taken: Taken) -> Outcome:
+    def recover(self, taken: Taken) -> RecoveryOutcome:
         """Run the route's recovery for one record we took over; settle it."""
         label = keys.log_key(taken.record_key)
         try:
             outcome = self._recover(taken, label)
         except StoreUnavailableError as exc:
             log.warning("idempotency recover: store unavailable for key %s: %s", label, exc)
-            outcome = Outcome.DEFERRED
+            outcome = RecoveryOutcome.DEFERRED
         finally:
             self.state.keeper.drop(taken.record_key, taken.token)
         self.state.metrics.inc(_METRIC[outcome])
         return outcome
 
-    def _recover(self, taken: Taken, label: str) -> Outcome:
+    def _recover(self, taken: Taken, label: str) -> RecoveryOutcome:
         phases = dict(taken.phases)  # the request's own, which phase() adds to
         try:
             attempt = Abandoned.from_payload(
@@ -266,7 +262,7 @@ class Recoverer:
             )
         except ValueError as exc:
             log.error("idempotency recover: key %s: %s; handed back", label, exc)
-            return self._hand_back(taken, Outcome.SKIPPED)
+            return self._hand_back(taken, RecoveryOutcome.SKIPPED)
         options = self.routes.get(attempt.endpoint)
         if options is None or options.recover is None:
             log.error(
@@ -275,7 +271,7 @@ class Recoverer:
                 label,
                 attempt.endpoint,
             )
-            return self._hand_back(taken, Outcome.SKIPPED)
+            return self._hand_back(taken, RecoveryOutcome.SKIPPED)
         tx = self.state.store.begin()
         tx.has_progress = bool(phases)
         try:
@@ -285,18 +281,18 @@ class Recoverer:
                     response = None if value is None else self.app.make_response(value)
                 except LeaseLost:
                     tx.rollback()
-                    return Outcome.FENCED
+                    return RecoveryOutcome.FENCED
                 except (StoreUnavailable, StoreUnavailableError) as exc:
                     log.warning("idempotency recover: key %s: store unavailable: %s", label, exc)
                     tx.rollback()
-                    return self._hand_back(taken, Outcome.DEFERRED)
+                    return self._hand_back(taken, RecoveryOutcome.DEFERRED)
                 except HTTPException as exc:
                     # Raised as the view would have (a 400 for a body it refuses): a 4xx
                     # means the request was never acted on; a 5xx, that it cannot tell.
                     tx.rollback()
                     if exc.code is not None and exc.code < 500:
                         return self._release(taken)
-                    return self._hand_back(taken, Outcome.DEFERRED)
+                    return self._hand_back(taken, RecoveryOutcome.DEFERRED)
                 except Exception as exc:
                     log.warning(
                         "idempotency recover: key %s: recover=%s raised %s; handed back",
@@ -305,9 +301,9 @@ class Recoverer:
                         type(exc).__name__,
                     )
                     tx.rollback()
-                    return self._hand_back(taken, Outcome.DEFERRED)
+                    return self._hand_back(taken, RecoveryOutcome.DEFERRED)
                 finally:
-                    g.pop("_idempotency", None)  # our after_request must not settle it
+                    unbind()  # our after_request must not settle it
                 if response is None:
                     tx.rollback()
                     return self._release(taken)
@@ -327,17 +323,12 @@ class Recoverer:
     ) -> Iterator[RequestState]:
         """A fresh app context and the rebuilt request, with the record bound on ``g``
         as the view had it: ``connection()``, ``emit()`` and ``phase()`` work."""
-        from .extension import RequestState
-
         route = self.state.options_for(options)
         with self.app.app_context(), self.app.request_context(attempt.environ()):
             ctx = RequestState(self.state, taken.record_key, taken.fingerprint, route)
             ctx.tx, ctx.token, ctx.phases = tx, taken.token, phases
-            g._idempotency = ctx
-            try:
+            with bound(ctx):  # unbound after: the teardown must not release it
                 yield ctx
-            finally:
-                g.pop("_idempotency", None)  # the teardown must not release it
 
     def _settle(
         self,
@@ -346,7 +337,7 @@ class Recoverer:
         route: EffectiveOptions,
         tx: PostgresRequest,
         response: Response,
-    ) -> Outcome:
+    ) -> RecoveryOutcome:
         settings = self.state.settings
         try:
             stored = responses.capture(
@@ -355,14 +346,14 @@ class Recoverer:
         except responses.NotStorable:
             log.error("idempotency recover: key %s: answer too large to store; handed back", label)
             tx.rollback()
-            return self._hand_back(taken, Outcome.DEFERRED)
+            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
         finally:
             response.close()
         if stored.status >= 500:
             # The recovery could not tell (its processor is down, say). A client would
             # retry a 5xx; here the next pass does, so the record is handed back.
             tx.rollback()
-            return self._hand_back(taken, Outcome.DEFERRED)
+            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
         settlement = flow.settle(
             stored.status, len(stored.body), route.should_store, settings.max_stored_body
         )
@@ -371,50 +362,52 @@ class Recoverer:
             return self._release(taken)
         if settlement is flow.Settlement.TOO_LARGE:
             tx.rollback()
-            return self._hand_back(taken, Outcome.DEFERRED)
+            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
         conn = tx.connection()
         with conn.cursor() as cur:
-            cur.execute(BUMP_TOTAL, (Outcome.RECOVERED.value,))
+            cur.execute(BUMP_TOTAL, (RecoveryOutcome.RECOVERED.value,))
         try:
             tx.complete(taken.record_key, taken.token, stored)
         except LeaseLostError:
             log.warning("idempotency recover: key %s: taken over meanwhile; rolled back", label)
-            return Outcome.FENCED
+            return RecoveryOutcome.FENCED
         log.info("idempotency recover: key %s recovered (%d)", label, stored.status)
-        return Outcome.RECOVERED
+        return RecoveryOutcome.RECOVERED
 
-    def _release(self, taken: Taken) -> Outcome:
+    def _release(self, taken: Taken) -> RecoveryOutcome:
         statement = RELEASE_TO_CLIENT if taken.phases else RELEASE
         with self.state.store.transaction() as conn, conn.cursor() as cur:
             cur.execute(statement, (taken.record_key, taken.token))
             if cur.rowcount != 1:
-                return Outcome.FENCED
-            cur.execute(BUMP_TOTAL, (Outcome.RELEASED.value,))
+                return RecoveryOutcome.FENCED
+            cur.execute(BUMP_TOTAL, (RecoveryOutcome.RELEASED.value,))
         log.info("idempotency recover: key %s released", keys.log_key(taken.record_key))
-        return Outcome.RELEASED
+        return RecoveryOutcome.RELEASED
 
-    def _hand_back(self, taken: Taken, outcome: Outcome = Outcome.DEFERRED) -> Outcome:
+    def _hand_back(
+        self, taken: Taken, outcome: RecoveryOutcome = RecoveryOutcome.DEFERRED
+    ) -> RecoveryOutcome:
         self.state.keeper.drop(taken.record_key, taken.token)
         with self.state.store.transaction() as conn, conn.cursor() as cur:
             cur.execute(HAND_BACK, (taken.record_key, taken.token))
             if cur.rowcount != 1:
-                return Outcome.FENCED
+                return RecoveryOutcome.FENCED
         return outcome
 
 
 #: Per-process counters (``idempotency.metrics()``) of the completer's outcomes.
 _METRIC = {
-    Outcome.RECOVERED: "recovered",
-    Outcome.RELEASED: "recovery_released",
-    Outcome.DEFERRED: "recovery_deferred",
-    Outcome.FENCED: "recovery_fenced",
-    Outcome.SKIPPED: "recovery_skipped",
+    RecoveryOutcome.RECOVERED: "recovered",
+    RecoveryOutcome.RELEASED: "recovery_released",
+    RecoveryOutcome.DEFERRED: "recovery_deferred",
+    RecoveryOutcome.FENCED: "recovery_fenced",
+    RecoveryOutcome.SKIPPED: "recovery_skipped",
 }
 
 
-def describe(outcomes: Mapping[Outcome, int]) -> str:
+def describe(outcomes: Mapping[RecoveryOutcome, int]) -> str:
     """``recovered 3, released 1, deferred 0, fenced 0, skipped 0``."""
-    return ", ".join(f"{o.value} {outcomes.get(o, 0)}" for o in Outcome)
+    return ", ".join(f"{o.value} {outcomes.get(o, 0)}" for o in RecoveryOutcome)
 
 
 def stats(store: Any) -> dict[str, float]:

@@ -7,12 +7,12 @@ for ``HTTPException`` (or for one of these classes) still take precedence.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from typing import Any
 
 from werkzeug.exceptions import HTTPException
 
-from .profiles import current_profile
+from .state import current_profile, current_retry_after
+from .store.base import StoreUnavailableError
 
 
 class IdempotencyError(HTTPException):
@@ -143,12 +143,24 @@ class LeaseLost(IdempotencyError):
     retry_after = 1
 
 
-class StoreUnavailable(IdempotencyError):
+class StoreUnavailable(IdempotencyError, StoreUnavailableError):
+    """PostgreSQL could not be reached or did not answer: fail closed.
+
+    The one class an application needs for this condition: raise it from a view
+    (a ``503`` with ``Retry-After``, by default the app's
+    ``IDEMPOTENCY_RETRY_AFTER``), or catch it around ``idempotency.ping()``. It is
+    also the store's own ``StoreUnavailableError``, so either ``except`` works.
+    """
+
     code = 503
     title = "Idempotency store unavailable"
     error_code = "store_unavailable"
     description = "The idempotency store is unavailable; the request was not processed."
-    retry_after = 1
+
+    def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
+        super().__init__(description, retry_after=retry_after)
+        if retry_after is None:
+            self.retry_after = current_retry_after()
 
 
 class ResponseTooLarge(IdempotencyError):
@@ -163,15 +175,3 @@ class ResponseTooLarge(IdempotencyError):
     error_code = "response_too_large"
     description = "The response was too large to store for idempotent replay; nothing was kept."
 
-
-ALL_ERRORS: Iterable[type[IdempotencyError]] = (
-    MissingKey,
-    InvalidKey,
-    ScopeUnavailable,
-    MalformedBody,
-    KeyReused,
-    RequestInProgress,
-    LeaseLost,
-    StoreUnavailable,
-    ResponseTooLarge,
-)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from flask import Flask
 
-from .extension import EXTENSION_KEY
+from .state import find_app_state
 
 log = logging.getLogger("flask_idempotency")
 
@@ -48,7 +48,7 @@ def find_flask_app(wsgi: Any) -> Flask | None:
 def pool_capacity(app: Flask) -> tuple[int, str] | None:
     """How many requests the app's idempotency pool can serve at once, and the
     setting that decides it; ``None`` if the app does not use the extension."""
-    state = app.extensions.get(EXTENSION_KEY)
+    state = find_app_state(app)
     if state is None:
         return None
     settings = state.settings

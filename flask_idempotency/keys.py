@@ -6,11 +6,13 @@ Keys are never stored or logged raw: the record's primary key is a SHA-256 of
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 from flask import Request
 
+from .digests import derived_key as derived_key  # re-exported: their old home
+from .digests import log_key as log_key
+from .digests import record_key as record_key
 from .errors import InvalidKey, MissingKey, ScopeUnavailable
 from .scopes import authorization_digest
 from .scopes import default_scope as default_scope  # re-exported: its old home
@@ -89,28 +91,3 @@ def default_scope_from_header(authorization: str) -> str:
     """The scope :func:`~flask_idempotency.scopes.authorization_scope` gives a
     non-empty ``Authorization`` value (its SHA-256, as records have always used)."""
     return authorization_digest(authorization)
-
-
-def record_key(scope: str, key: str) -> bytes:
-    """The record's primary key: SHA-256 over the length-prefixed scope and the key.
-
-    The length prefix keeps (``"ab"``, ``"c"``) and (``"a"``, ``"bc"``) apart.
-    """
-    scope_bytes = scope.encode("utf-8", "surrogateescape")
-    material = b"%d:" % len(scope_bytes) + scope_bytes + key.encode("ascii")
-    return hashlib.sha256(material).digest()
-
-
-def log_key(digest: bytes) -> str:
-    """A short, non-reversible label for logs: enough to correlate, nothing to replay."""
-    return digest[:6].hex()
-
-
-def derived_key(digest: bytes, purpose: str) -> str:
-    """A stable key for a downstream call (e.g. a card processor) derived from the record.
-
-    A retry of the same client request - even after a crash between the
-    downstream answer and our commit - derives the same key, so the downstream
-    service's own idempotency prevents a second charge.
-    """
-    return hashlib.sha256(digest + b"\x00" + purpose.encode("utf-8")).hexdigest()

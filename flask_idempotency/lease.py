@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 
-from .observability import Observer
+from .observer import Observer
 from .store.base import LeaseHold, Store, StoreUnavailableError
 
 log = logging.getLogger("flask_idempotency.lease")

@@ -19,16 +19,16 @@ from flask import Request, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from . import flow
-from .keys import log_key
-from .observability import (
+from .digests import log_key
+from .observer import (
     PHASE_COMPLETE,
     Attributes,
     AttributeValue,
     Observer,
-    Outcome,
     RequestEvent,
+    RequestOutcome,
 )
-from .observability.logs import LEVELS, TAKEOVER_LEVEL, log, log_event
+from .request_log import LEVELS, TAKEOVER_LEVEL, log, log_event
 from .store.base import LeaseLostError, StoreUnavailableError
 
 #: Every counter, so a snapshot always has the same keys.
@@ -54,16 +54,16 @@ NAMES = (
 )
 
 #: The snapshot counter of each outcome (a replay's depends on its source).
-_COUNTER: dict[Outcome, str] = {outcome: outcome.value for outcome in Outcome}
-_COUNTER[Outcome.EXECUTED] = "completed"
+_COUNTER: dict[RequestOutcome, str] = {outcome: outcome.value for outcome in RequestOutcome}
+_COUNTER[RequestOutcome.EXECUTED] = "completed"
 _REPLAY_COUNTER = {"cache": "replayed_from_cache", "store": "replayed_from_store"}
 
 #: The outcome of a request refused before anything was claimed, by error code.
 _REFUSALS = {
-    "invalid_key": Outcome.INVALID_KEY,
-    "missing_key": Outcome.MISSING_KEY,
-    "missing_scope": Outcome.MISSING_SCOPE,
-    "malformed_body": Outcome.MALFORMED_BODY,
+    "invalid_key": RequestOutcome.INVALID_KEY,
+    "missing_key": RequestOutcome.MISSING_KEY,
+    "missing_scope": RequestOutcome.MISSING_SCOPE,
+    "malformed_body": RequestOutcome.MALFORMED_BODY,
 }
 
 #: What a claim decided, as the claim span's ``idempotency.claim.result``.
@@ -121,7 +121,7 @@ class Metrics:
     def record(
         self,
         ctx: RequestFacts | None,
-        outcome: Outcome,
+        outcome: RequestOutcome,
         *,
         source: str | None = None,
         status: int | None = None,
@@ -147,7 +147,7 @@ class Metrics:
     def refused(self, exc: Exception) -> None:
         """A request refused before anything was claimed (its key, scope or body)."""
         if isinstance(exc, HTTPException) and exc.code == 413:
-            self.record(None, Outcome.BODY_TOO_LARGE, status=413)
+            self.record(None, RequestOutcome.BODY_TOO_LARGE, status=413)
             return
         outcome = _REFUSALS.get(getattr(exc, "error_code", ""))
         if outcome is not None:
@@ -237,11 +237,11 @@ class _Phase(Phase):
 
 def _completion_outcome(error: BaseException | None) -> str:
     if error is None:
-        return Outcome.EXECUTED.value
+        return RequestOutcome.EXECUTED.value
     if isinstance(error, LeaseLostError):
-        return Outcome.LEASE_LOST.value
+        return RequestOutcome.LEASE_LOST.value
     if isinstance(error, StoreUnavailableError):
-        return Outcome.STORE_UNAVAILABLE.value
+        return RequestOutcome.STORE_UNAVAILABLE.value
     return "error"
 
 
@@ -306,7 +306,7 @@ def _where(req: Request | None) -> tuple[str, str]:
 
 def _event(
     ctx: RequestFacts | None,
-    outcome: Outcome,
+    outcome: RequestOutcome,
     source: str | None,
     status: int | None,
     error: BaseException | None,

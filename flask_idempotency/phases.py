@@ -49,7 +49,7 @@ from .errors import LeaseLost, StoreUnavailable
 from .store.base import LeaseLostError, StoreUnavailableError
 
 if TYPE_CHECKING:
-    from .extension import RequestState
+    from .state import RequestState
 
 log = logging.getLogger("flask_idempotency.recovery")
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from flask import current_app, has_app_context
-
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
@@ -42,13 +40,3 @@ OMITTED_VALUE = "omitted"
 
 #: Prefix of a problem's ``type`` member; the error code completes it.
 DEFAULT_PROBLEM_TYPE_BASE = "urn:flask-idempotency:error:"
-
-
-def current_profile() -> tuple[Profile, str]:
-    """The current app's profile and problem type base; the default outside an app."""
-    if has_app_context():
-        state = current_app.extensions.get("idempotency")
-        if state is not None:
-            settings = state.settings
-            return PROFILES[settings.profile], settings.problem_type_base
-    return STRIPE, DEFAULT_PROBLEM_TYPE_BASE

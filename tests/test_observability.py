@@ -31,8 +31,8 @@ from werkzeug.test import TestResponse
 from flask_idempotency import Idempotency, keys
 from flask_idempotency.observability import (
     Observer,
-    Outcome,
     RequestEvent,
+    RequestOutcome,
     attach,
     scope_digest,
 )
@@ -477,8 +477,8 @@ def test_a_custom_observer_and_no_observer_at_all(make_app: MakeApp) -> None:
     assert post(app, {}, SECRET).status_code == 201
     assert post(app, {}, SECRET).status_code == 201
     assert [(e.outcome, e.source, e.status, e.claimed) for e in seen] == [
-        (Outcome.EXECUTED, None, 201, True),
-        (Outcome.REPLAYED, "store", 201, False),
+        (RequestOutcome.EXECUTED, None, 201, True),
+        (RequestOutcome.REPLAYED, "store", 201, False),
     ]
     assert seen[0].duration is not None and seen[0].claim_duration is not None
 

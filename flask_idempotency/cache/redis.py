@@ -37,7 +37,7 @@ import redis.exceptions
 import redis.retry
 
 from ..keys import log_key
-from ..observability import Observer
+from ..observer import Observer
 from ..settings import Settings
 from ..store.base import StoredResponse
 from . import codec, topology

@@ -5,22 +5,67 @@ stores the answer; ``flask idempotency relay`` (``relay.py``) publishes it with
 confirms; ``@idempotency.consumer(name)`` (``consumer.py``) runs a handler once in
 effect per message. kombu (the ``[events]`` extra) is imported only by what
 talks to a broker (``amqp.py``, ``embedded.py``).
+
+The names below load on first use: an application that only emits (every
+request that stores an answer may) never imports the relay, the consumer or a
+broker client.
 """
 
-from .amqp import BrokerUnavailable, ConsumerWorker, Publisher, Subscription
-from .consumer import ConsumerGuard, Delivery, Outcome, Result
-from .embedded import EmbeddedEvents
-from .outbox import OutboxEvent
-from .relay import Relay, RelayStats
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .amqp import BrokerUnavailable, ConsumerWorker, Publisher, Subscription
+    from .consumer import ConsumerGuard, ConsumerOutcome, Delivery, Result
+    from .embedded import EmbeddedEvents
+    from .outbox import OutboxEvent
+    from .relay import Relay, RelayStats
+
+#: Where each public name lives.
+_HOMES = {
+    "BrokerUnavailable": "amqp",
+    "ConsumerWorker": "amqp",
+    "Publisher": "amqp",
+    "Subscription": "amqp",
+    "ConsumerGuard": "consumer",
+    "ConsumerOutcome": "consumer",
+    "Delivery": "consumer",
+    "Result": "consumer",
+    "EmbeddedEvents": "embedded",
+    "OutboxEvent": "outbox",
+    "Relay": "relay",
+    "RelayStats": "relay",
+}
+#: Old names kept for one release, with a warning: old name -> new name.
+_RENAMED = {"Outcome": "ConsumerOutcome"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"flask_idempotency.events.{name} is now {new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        name = new
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
 
 __all__ = [
     "BrokerUnavailable",
     "ConsumerGuard",
+    "ConsumerOutcome",
     "ConsumerWorker",
     "Delivery",
     "EmbeddedEvents",
     "OutboxEvent",
-    "Outcome",
     "Publisher",
     "Relay",
     "RelayStats",

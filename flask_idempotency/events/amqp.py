@@ -26,7 +26,7 @@ from typing import Any
 
 from flask import Flask
 
-from .consumer import ConsumerGuard, Delivery, Outcome, Result
+from .consumer import ConsumerGuard, ConsumerOutcome, Delivery, Result
 from .outbox import OutboxEvent
 
 log = logging.getLogger("flask_idempotency.events")
@@ -332,9 +332,9 @@ class ConsumerWorker:
     def _decode_error(self, sub: Subscription) -> Callable[[Any, Exception], None]:
         def on_decode_error(message: Any, exc: Exception) -> None:
             log.error("consumer %s: undecodable message: %s", sub.queue, type(exc).__name__)
-            result = Result(Outcome.DEAD_LETTERED, reason="undecodable")
+            result = Result(ConsumerOutcome.DEAD_LETTERED, reason="undecodable")
             self._dead_letter(sub, message, result, f"{type(exc).__name__}"[:500])
-            self.counts[Outcome.DEAD_LETTERED.value] += 1
+            self.counts[ConsumerOutcome.DEAD_LETTERED.value] += 1
             message.ack()
 
         return on_decode_error

@@ -52,9 +52,11 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from flask import Flask, current_app, g
+from flask import Flask, current_app
 
 from .. import flow, keys
+from ..route_options import route_options
+from ..state import RequestState, app_state, bind, unbind
 from ..store.base import LeaseHold, LeaseLostError, StoredResponse, StoreUnavailableError
 
 log = logging.getLogger("flask_idempotency.events")
@@ -78,7 +80,7 @@ SELECT takeovers FROM idempotency_records
 RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
 
 
-class Outcome(enum.Enum):
+class ConsumerOutcome(enum.Enum):
     HANDLED = "handled"
     DUPLICATE = "duplicate"
     BUSY = "busy"
@@ -89,12 +91,12 @@ class Outcome(enum.Enum):
     @property
     def acknowledge(self) -> bool:
         """Whether the transport acknowledges the delivery (else: requeue after ``delay``)."""
-        return self not in (Outcome.BUSY, Outcome.RETRY)
+        return self not in (ConsumerOutcome.BUSY, ConsumerOutcome.RETRY)
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    outcome: Outcome
+    outcome: ConsumerOutcome
     #: Seconds before the delivery is requeued (``BUSY`` and ``RETRY``).
     delay: float = 0.0
     #: Why it was dead-lettered or retried (``handler_failed``, ``key_reused``, ...).
@@ -271,10 +273,7 @@ class ConsumerGuard:
             return self._handle(app, delivery, dead_letter)
 
     def _handle(self, app: Flask, delivery: Delivery, dead_letter: DeadLetter | None) -> Result:
-        from ..extension import RequestState, _app_state
-        from ..route_options import route_options
-
-        state = _app_state(app)
+        state = app_state(app)
         route = state.options_for(
             route_options(
                 True,
@@ -297,10 +296,10 @@ class ConsumerGuard:
                 claim = tx.claim(record_key, fingerprint, lease=route.lease, ttl=route.ttl)
             except StoreUnavailableError as exc:
                 log.warning("consumer %s: store unavailable: %s", self.options.name, exc)
-                return Result(Outcome.RETRY, self.options.retry_delay, "store_unavailable")
+                return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
             decision = flow.decide(claim, fingerprint)
             if isinstance(decision, flow.Replay):
-                return Result(Outcome.DUPLICATE)
+                return Result(ConsumerOutcome.DUPLICATE)
             if isinstance(decision, flow.Reject):
                 if decision.reason is flow.Rejection.KEY_REUSED:
                     log.error(
@@ -311,14 +310,19 @@ class ConsumerGuard:
                     return self._dead_letter_unclaimed(delivery, "key_reused", dead_letter)
                 lease_left = getattr(claim, "lease_remaining", None) or 0.0
                 delay = min(self.options.busy_delay, max(lease_left, 0.0)) or 0.05
-                return Result(Outcome.BUSY, delay, "in_progress")
+                return Result(ConsumerOutcome.BUSY, delay, "in_progress")
             token = decision.token
             state.keeper.hold(LeaseHold(record_key, token, route.lease))
-            g._idempotency = RequestState(
-                state=state, record_key=record_key, fingerprint=fingerprint, route=route
+            bind(
+                RequestState(
+                    state=state,
+                    record_key=record_key,
+                    fingerprint=fingerprint,
+                    route=route,
+                    tx=tx,
+                    token=token,
+                )
             )
-            g._idempotency.tx = tx
-            g._idempotency.token = token
             try:
                 self.handler(delivery)
             except Exception as exc:
@@ -340,14 +344,14 @@ class ConsumerGuard:
                     self.options.name,
                     keys.log_key(record_key),
                 )
-                return Result(Outcome.FENCED, reason="lease_lost")
+                return Result(ConsumerOutcome.FENCED, reason="lease_lost")
             except StoreUnavailableError as exc:
                 log.warning("consumer %s: completion failed: %s", self.options.name, exc)
                 tx.release(record_key, token)
-                return Result(Outcome.RETRY, self.options.retry_delay, "store_unavailable")
-            return Result(Outcome.HANDLED)
+                return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
+            return Result(ConsumerOutcome.HANDLED)
         finally:
-            g.pop("_idempotency", None)
+            unbind()
             tx.close()
 
     def _failed(
@@ -369,9 +373,9 @@ class ConsumerGuard:
                 row = cur.fetchone()
         except StoreUnavailableError:
             # The lease will lapse; the next delivery takes it over and counts it.
-            return Result(Outcome.RETRY, self.options.retry_delay, "handler_failed")
+            return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "handler_failed")
         if row is None:
-            return Result(Outcome.FENCED, reason="lease_lost")
+            return Result(ConsumerOutcome.FENCED, reason="lease_lost")
         attempts = int(row[0]) + 1
         log.warning(
             "consumer %s: handler failed on key %s (attempt %d of %d): %s",
@@ -382,7 +386,9 @@ class ConsumerGuard:
             type(exc).__name__,
         )
         if attempts >= self.options.max_attempts:
-            result = Result(Outcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts)
+            result = Result(
+                ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts
+            )
             try:
                 if dead_letter is not None:
                     dead_letter(delivery, result, error)
@@ -393,19 +399,19 @@ class ConsumerGuard:
                 return result
         self._run(state, FAIL_ATTEMPT, record_key, token)
         return Result(
-            Outcome.RETRY, self.retry_delay(attempts), "handler_failed", attempts=attempts
+            ConsumerOutcome.RETRY, self.retry_delay(attempts), "handler_failed", attempts=attempts
         )
 
     def _dead_letter_unclaimed(
         self, delivery: Delivery, reason: str, dead_letter: DeadLetter | None
     ) -> Result:
-        result = Result(Outcome.DEAD_LETTERED, reason=reason)
+        result = Result(ConsumerOutcome.DEAD_LETTERED, reason=reason)
         if dead_letter is not None:
             try:
                 dead_letter(delivery, result, reason)
             except Exception as exc:
                 log.error("consumer %s: dead-lettering failed: %s", self.options.name, exc)
-                return Result(Outcome.RETRY, self.options.retry_delay, reason)
+                return Result(ConsumerOutcome.RETRY, self.options.retry_delay, reason)
         return result
 
     @staticmethod

@@ -26,7 +26,8 @@ from typing import Any
 
 from flask import Flask
 
-from .consumer import ConsumerGuard, Delivery, Outcome
+from ..state import app_state
+from .consumer import ConsumerGuard, ConsumerOutcome, Delivery
 from .outbox import OutboxEvent
 from .relay import DEFAULT_POLL_INTERVAL, Relay
 
@@ -64,7 +65,7 @@ class DirectPublisher:
                 continue
             delivery = Delivery.from_body(body, message_id=event.id, type=event.type)
             result = guard.handle(delivery, app=self.app)
-            if result.outcome is Outcome.DEAD_LETTERED:
+            if result.outcome is ConsumerOutcome.DEAD_LETTERED:
                 log.error(
                     "consumer %s gave up on event %s (%s); no dead-letter queue "
                     "on the embedded path",
@@ -91,7 +92,7 @@ class EmbeddedEvents:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         batch_size: int = 20,
     ) -> None:
-        store = app.extensions["idempotency"].store
+        store = app_state(app).store
         self.relay = Relay(
             store,
             DirectPublisher(app, routes),

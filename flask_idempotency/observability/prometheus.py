@@ -46,8 +46,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from ..observer import (
+    PHASE_CLAIM,
+    PHASE_COMPLETE,
+    Attributes,
+    Observer,
+    RequestEvent,
+    RequestOutcome,
+)
+from ..state import app_state
 from ..store.base import StoreUnavailableError
-from . import PHASE_CLAIM, PHASE_COMPLETE, Attributes, Observer, Outcome, RequestEvent, attach
+from . import attach
 
 if TYPE_CHECKING:
     from ..store.postgres import PostgresStore
@@ -224,7 +233,7 @@ class PrometheusMetrics(Observer):
         self._apps.append(app)
         self._show_routes()
         if self.table_stats:
-            state = app.extensions["idempotency"]
+            state = app_state(app)
             collector = TableStatsCollector(state.store, interval=self.table_stats_interval)
             self._collectors.append(collector)
             if not multiprocess_mode():
@@ -252,8 +261,8 @@ class PrometheusMetrics(Observer):
                 if not _is_idempotent(app.view_functions.get(rule.endpoint)):
                     continue
                 self._routes_shown.add(rule.rule)
-                for outcome in Outcome:
-                    sources = ("cache", "store") if outcome is Outcome.REPLAYED else ("",)
+                for outcome in RequestOutcome:
+                    sources = ("cache", "store") if outcome is RequestOutcome.REPLAYED else ("",)
                     for source in sources:
                         self._m.requests.labels(rule.rule, outcome.value, source)
 

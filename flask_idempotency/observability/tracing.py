@@ -39,7 +39,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
 from .. import __version__
-from . import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, Attributes, Observer, RequestEvent, attach
+from ..observer import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, Attributes, Observer, RequestEvent
+from . import attach
 
 SPAN_NAMES = {
     PHASE_CLAIM: "idempotency.claim",

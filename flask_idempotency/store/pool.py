@@ -26,7 +26,7 @@ import psycopg2
 import psycopg2.extensions
 import psycopg2.pool
 
-from ..observability import Observer
+from ..observer import Observer
 from .base import StoreUnavailableError
 from .errors import connect_failure, is_unreachable
 

@@ -18,9 +18,9 @@ from flask import Flask
 
 from flask_idempotency import keys
 from flask_idempotency.events import (
+    ConsumerOutcome,
     ConsumerWorker,
     Delivery,
-    Outcome,
     Publisher,
     Relay,
     Result,
@@ -70,7 +70,7 @@ def test_a_message_is_handled_once_and_a_redelivery_is_acknowledged_without_runn
     first = write.handle(delivery(), app=app)
     again = write.handle(delivery(), app=app)
     print(f"outcomes={first.outcome.value},{again.outcome.value} runs={len(runs)}")
-    assert (first.outcome, again.outcome) == (Outcome.HANDLED, Outcome.DUPLICATE)
+    assert (first.outcome, again.outcome) == (ConsumerOutcome.HANDLED, ConsumerOutcome.DUPLICATE)
     assert first.outcome.acknowledge and again.outcome.acknowledge
     assert runs == ["evt_1"] and handled(clean_db) == ["evt_1"]
     # Keyed by message id under the scope "consumer:<name>", in the records table.
@@ -86,7 +86,7 @@ def test_a_message_is_handled_once_and_a_redelivery_is_acknowledged_without_runn
     def mail(d: Delivery) -> None:
         record(d, "mailer")
 
-    assert mail.handle(delivery(), app=app).outcome is Outcome.HANDLED
+    assert mail.handle(delivery(), app=app).outcome is ConsumerOutcome.HANDLED
 
 
 def test_a_claim_held_by_a_live_consumer_is_requeued_with_a_delay(app: Flask) -> None:
@@ -107,9 +107,9 @@ def test_a_claim_held_by_a_live_consumer_is_requeued_with_a_delay(app: Flask) ->
         release.set()
         worker.join(10)
     print(f"second delivery: {busy.outcome.value} delay={busy.delay:.2f}s")
-    assert busy.outcome is Outcome.BUSY and not busy.outcome.acknowledge
+    assert busy.outcome is ConsumerOutcome.BUSY and not busy.outcome.acknowledge
     assert 0 < busy.delay <= 0.5
-    assert results[0].outcome is Outcome.HANDLED
+    assert results[0].outcome is ConsumerOutcome.HANDLED
 
 
 def test_a_dead_consumers_lease_is_taken_over_and_its_late_commit_fenced(
@@ -142,8 +142,11 @@ def test_a_dead_consumers_lease_is_taken_over_and_its_late_commit_fenced(
         thread.join(10)
     takeovers = query(clean_db, "SELECT takeovers FROM idempotency_records")[0][0]
     print({k: v.outcome.value for k, v in results.items()}, f"takeovers={takeovers}")
-    assert results["taker"].outcome is Outcome.HANDLED
-    assert results["stalled"].outcome is Outcome.FENCED and results["stalled"].outcome.acknowledge
+    assert results["taker"].outcome is ConsumerOutcome.HANDLED
+    assert (
+        results["stalled"].outcome is ConsumerOutcome.FENCED
+        and results["stalled"].outcome.acknowledge
+    )
     assert query(clean_db, "SELECT consumer FROM ev_handled") == [("MainThread",)]
     assert takeovers == 1
 
@@ -163,7 +166,11 @@ def test_a_failing_handler_is_retried_with_backoff_then_dead_lettered(
 
     results = [always_fails.handle(delivery(), app=app, dead_letter=dead_letter) for _ in range(3)]
     print([(r.outcome.value, r.attempts, r.delay) for r in results])
-    assert [r.outcome for r in results] == [Outcome.RETRY, Outcome.RETRY, Outcome.DEAD_LETTERED]
+    assert [r.outcome for r in results] == [
+        ConsumerOutcome.RETRY,
+        ConsumerOutcome.RETRY,
+        ConsumerOutcome.DEAD_LETTERED,
+    ]
     assert [r.attempts for r in results] == [1, 2, 3]
     assert [r.delay for r in results[:2]] == [0.1, 0.2]
     assert dead == [("evt_1", results[2], "ValueError: cannot handle this one")]
@@ -179,11 +186,11 @@ def test_another_message_under_a_used_id_or_no_id_is_dead_lettered_unrun(app: Fl
     def strict(d: Delivery) -> None:
         runs.append(d.payload)
 
-    assert strict.handle(delivery(n=1), app=app).outcome is Outcome.HANDLED
+    assert strict.handle(delivery(n=1), app=app).outcome is ConsumerOutcome.HANDLED
     reused = strict.handle(delivery(n=2), app=app)
     no_id = strict.handle(Delivery.from_body({"n": 3}), app=app)
-    assert (reused.outcome, reused.reason) == (Outcome.DEAD_LETTERED, "key_reused")
-    assert (no_id.outcome, no_id.reason) == (Outcome.DEAD_LETTERED, "missing_key")
+    assert (reused.outcome, reused.reason) == (ConsumerOutcome.DEAD_LETTERED, "key_reused")
+    assert (no_id.outcome, no_id.reason) == (ConsumerOutcome.DEAD_LETTERED, "missing_key")
     assert runs == [{"n": 1}]
 
 
@@ -194,8 +201,8 @@ def test_a_handler_emits_in_its_own_transaction(app: Flask, clean_db: str) -> No
         if d.payload.get("fail"):
             raise RuntimeError("no")
 
-    assert chain.handle(delivery("evt_ok"), app=app).outcome is Outcome.HANDLED
-    assert chain.handle(delivery("evt_bad", fail=True), app=app).outcome is Outcome.RETRY
+    assert chain.handle(delivery("evt_ok"), app=app).outcome is ConsumerOutcome.HANDLED
+    assert chain.handle(delivery("evt_bad", fail=True), app=app).outcome is ConsumerOutcome.RETRY
     rows = query(clean_db, "SELECT event_type, payload, record_key FROM idempotency_outbox")
     assert [(r[0], r[1]) for r in rows] == [("thing.followed", {"after": "evt_ok"})]
     assert bytes(rows[0][2]) == keys.record_key("consumer:chain", "evt_ok")

@@ -1,0 +1,102 @@
+"""One log event per request outcome, on the ``flask_idempotency.requests`` logger.
+
+Levels follow what an on-call engineer acts on:
+
+- ``DEBUG``: the normal course of things: an answer stored or replayed, an
+  attempt released, a keyless or safe-method pass-through, and requests refused
+  for their own input before anything was claimed (``missing_key``,
+  ``invalid_key``, ``missing_scope``, ``malformed_body``, ``body_too_large``);
+- ``INFO``: concurrency worth knowing about: a duplicate while the first was
+  running (``in_progress``), a key reused with another request, a takeover of a
+  dead holder's record, a lease lost to such a takeover;
+- ``WARNING``: PostgreSQL failed and the request was refused (``store_unavailable``);
+- ``ERROR``: an answer that should have been stored could not be (``not_storable``).
+
+Each record carries the event's fields as ``extra`` attributes (``route``,
+``method``, ``outcome``, ``source``, ``status``, ``takeover``, ``key_digest``,
+``scope_digest``, ``duration_ms``, ``claim_ms``, ``completion_ms``, ``error``),
+so a JSON formatter gets them as fields. Never the raw key, the scope or a body.
+
+The other parts log on loggers of their own (``flask_idempotency.store``,
+``.cache``, ``.lease``, ``.events``), so a flapping Redis can be silenced alone::
+
+    logging.getLogger("flask_idempotency.cache").setLevel(logging.ERROR)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .observer import RequestEvent, RequestOutcome
+
+log = logging.getLogger("flask_idempotency.requests")
+
+LEVELS: dict[RequestOutcome, int] = {
+    RequestOutcome.EXECUTED: logging.DEBUG,
+    RequestOutcome.REPLAYED: logging.DEBUG,
+    RequestOutcome.RELEASED: logging.DEBUG,
+    RequestOutcome.KEYLESS: logging.DEBUG,
+    RequestOutcome.SAFE_METHOD: logging.DEBUG,
+    RequestOutcome.MISSING_KEY: logging.DEBUG,
+    RequestOutcome.INVALID_KEY: logging.DEBUG,
+    RequestOutcome.MISSING_SCOPE: logging.DEBUG,
+    RequestOutcome.MALFORMED_BODY: logging.DEBUG,
+    RequestOutcome.BODY_TOO_LARGE: logging.DEBUG,
+    RequestOutcome.IN_PROGRESS: logging.INFO,
+    RequestOutcome.KEY_REUSED: logging.INFO,
+    RequestOutcome.LEASE_LOST: logging.INFO,
+    RequestOutcome.STORE_UNAVAILABLE: logging.WARNING,
+    RequestOutcome.NOT_STORABLE: logging.ERROR,
+}
+
+#: A takeover is worth an INFO line even when its request then went well.
+TAKEOVER_LEVEL = logging.INFO
+
+
+def log_event(event: RequestEvent, level: int) -> None:
+    """Write ``event`` at ``level`` (the caller checked the level is enabled)."""
+    parts = [f"idempotency: {event.outcome.value}"]
+    args: list[Any] = []
+    if event.source is not None:
+        parts.append(f"from {event.source}")
+    if event.takeover:
+        parts.append("(took over a record whose lease had expired)")
+    parts.append("%s %s")
+    args += [event.method, event.route]
+    if event.status is not None:
+        parts.append("-> %d")
+        args.append(event.status)
+    if event.key_digest is not None:
+        parts.append("key %s")
+        args.append(event.key_digest)
+    if event.duration is not None:
+        parts.append("in %.1f ms")
+        args.append(event.duration * 1000)
+    message = " ".join(parts)
+    if event.error is not None:
+        message += ": %s"
+        args.append(event.error)
+    log.log(level, message, *args, extra=extra_fields(event))
+
+
+def extra_fields(event: RequestEvent) -> dict[str, Any]:
+    """The event as ``LogRecord`` attributes (none of them clash with logging's own)."""
+    return {
+        "route": event.route,
+        "method": event.method,
+        "outcome": event.outcome.value,
+        "source": event.source,
+        "status": event.status,
+        "takeover": event.takeover,
+        "key_digest": event.key_digest,
+        "scope_digest": event.scope_digest,
+        "duration_ms": _ms(event.duration),
+        "claim_ms": _ms(event.claim_duration),
+        "completion_ms": _ms(event.completion_duration),
+        "error": event.error,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

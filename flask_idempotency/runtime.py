@@ -1,0 +1,370 @@
+"""The request runtime: one decorated view's claim, run and settlement.
+
+The decorator (``decorators.py``) hands each call to :func:`run_view`, which
+claims the key (after the route's own authentication, which wraps it) and runs
+the view; :func:`after_request` completes or releases the claim once the final
+response exists; :func:`teardown_request` guarantees the claim and the
+connection are given back even when something raised. The claim, completion
+and release themselves are the engine's (``engine.py``), which the completer
+and the consumer guard share.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, Request, Response, current_app, request
+from werkzeug.exceptions import HTTPException
+
+from . import flow, keys, recovery, responses
+from .errors import (
+    IdempotencyError,
+    KeyReused,
+    LeaseLost,
+    RequestInProgress,
+    ResponseTooLarge,
+    StoreUnavailable,
+)
+from .observer import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, RequestOutcome
+from .request_body import read_body
+from .route_options import RouteOptions
+from .state import RequestState, app_state, bind, request_state, unbind
+from .store.base import (
+    Claimed,
+    Existing,
+    LeaseHold,
+    LeaseLostError,
+    StoredResponse,
+    StoreUnavailableError,
+)
+from .store.postgres import PostgresRequest
+
+#: Methods that are idempotent already: the layer lets them through, key or not.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+def run_view(
+    options: RouteOptions, view: Callable[..., Any], is_async: bool, args: Any, kwargs: Any
+) -> Any:
+    # Resolved once: every attribute read through Flask's proxies costs a context
+    # lookup, and the hot path reads the request about twenty times.
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    if request_state() is not None:
+        # A decorated view called from another one: the outer view's claim (or its
+        # keyless transaction) already covers this request. A second claim of the
+        # same key would answer 409 inside the outer view and wedge its record.
+        return _sync(app, view, is_async)(*args, **kwargs)
+    started = time.monotonic()
+    req: Request = request._get_current_object()  # type: ignore[attr-defined]
+    state = app_state(app)
+    settings = state.settings
+    route = state.options_for(options)
+    if req.method in SAFE_METHODS:
+        # GET and its kin are idempotent already: a key on them is ignored (the
+        # IETF draft's section 1), even on a route that requires one for POST.
+        key = None
+    else:
+        try:
+            key = keys.parse_key(req.headers.get(settings.key_header))
+            if key is None and options.required:
+                keys.require_key(None)
+        except IdempotencyError as exc:
+            state.metrics.refused(exc)
+            raise
+    if key is None:
+        keyless = RequestState(state, None, b"", route, started=started, request=req)
+        bind(keyless)
+        return _call_view(keyless, app, _sync(app, view, is_async), args, kwargs)
+
+    try:
+        scope = keys.resolve_scope(route.scope_func, req)
+        read_body(req)
+    except HTTPException as exc:  # missing_scope, malformed_body, 413
+        state.metrics.refused(exc)
+        raise
+    record_key = keys.record_key(scope, key)
+    fingerprint = route.fingerprint_func(req)
+    ctx = RequestState(
+        state, record_key, fingerprint, route, started=started, scope=scope, request=req
+    )
+    bind(ctx)
+
+    cached = state.cache.get(record_key)
+    if cached is not None:
+        decision = flow.decide(
+            Existing("completed", cached.fingerprint, cached.response), fingerprint
+        )
+        if isinstance(decision, flow.Replay):
+            return _replay(ctx, decision.response, "cache")
+        record(ctx, RequestOutcome.KEY_REUSED, status=KeyReused.code)
+        raise KeyReused()
+
+    try:
+        state.migrate_if_pending()
+    except StoreUnavailableError as exc:
+        record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
+        raise StoreUnavailable(retry_after=settings.retry_after) from exc
+    if options.recover is not None and settings.claim_mode == "row":
+        ctx.recovery = recovery.capture(options, req)  # written by the claim itself
+    ctx.tx = state.store.begin()
+    decision, existing = _claim(ctx, route.lease)
+    deadline = time.monotonic() + route.wait
+    while _in_progress(decision) and time.monotonic() < deadline:
+        # A waiting duplicate gives its connection back while it sleeps: otherwise
+        # a few waiters would hold every pool slot the running requests need.
+        ctx.tx.close()
+        time.sleep(settings.wait_poll_interval)
+        decision, existing = _claim(ctx, route.lease)
+
+    if isinstance(decision, flow.Proceed):
+        ctx.token = decision.token
+        ctx.phases = dict(decision.phases)  # a dead holder's recovery points: resumed
+        state.metrics.claimed(ctx)
+        if ctx.tx.holds_lease:
+            state.keeper.hold(LeaseHold(record_key, decision.token, route.lease))
+        return _call_view(ctx, app, _sync(app, view, is_async), args, kwargs)
+
+    ctx.tx.close()
+    if isinstance(decision, flow.Replay):
+        if existing is not None and existing.ttl_remaining:
+            # PostgreSQL measured the remainder when the claim ran; the copy must
+            # not outlive the record by the time that has passed since.
+            remaining = existing.ttl_remaining - (time.monotonic() - ctx.claimed_at)
+            state.cache.put(record_key, fingerprint, decision.response, remaining)
+        return _replay(ctx, decision.response, "store")
+    if decision.reason is flow.Rejection.KEY_REUSED:
+        record(ctx, RequestOutcome.KEY_REUSED, status=KeyReused.code)
+        raise KeyReused()
+    record(ctx, RequestOutcome.IN_PROGRESS, status=RequestInProgress.code)
+    lease_remaining = existing.lease_remaining if existing is not None else None
+    raise RequestInProgress(
+        retry_after=flow.retry_after_seconds(settings.retry_after, lease_remaining)
+    )
+
+
+def _sync(app: Flask, view: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
+    """The view as WSGI calls it: an ``async def`` one through Flask's ``ensure_sync``."""
+    return app.ensure_sync(view) if is_async else view
+
+
+def _call_view(
+    ctx: RequestState, app: Flask, view: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    """Run the (synchronous) view; if it raises, nothing of the attempt is kept,
+    whatever answer an error handler later renders for the exception (a 402
+    included)."""
+    try:
+        return view(*args, **kwargs)
+    except BaseException as exc:
+        ctx.raised = True
+        ctx.own_error = isinstance(exc, IdempotencyError)
+        if isinstance(exc, (StoreUnavailable, LeaseLost)):  # else released, below
+            record(ctx, RequestOutcome(exc.error_code), status=exc.code, error=exc.__cause__)
+        release(ctx)
+        raise
+
+
+def _in_progress(decision: flow.Decision) -> bool:
+    return isinstance(decision, flow.Reject) and decision.reason is flow.Rejection.IN_PROGRESS
+
+
+def _claim(ctx: RequestState, lease: float) -> tuple[flow.Decision, Existing | None]:
+    assert ctx.tx is not None and ctx.record_key is not None
+    started = time.monotonic()
+    with ctx.state.metrics.phase(PHASE_CLAIM, ctx) as phase:
+        try:
+            result = ctx.tx.claim(
+                ctx.record_key,
+                ctx.fingerprint,
+                lease=lease,
+                ttl=ctx.route.ttl,
+                recovery=ctx.recovery,
+            )
+        except StoreUnavailableError as exc:
+            ctx.claim_seconds += time.monotonic() - started
+            record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
+            raise StoreUnavailable(retry_after=ctx.state.settings.retry_after) from exc
+        decision = flow.decide(result, ctx.fingerprint)
+        ctx.takeover = isinstance(result, Claimed) and result.takeover
+        phase.decided(decision, ctx.takeover)
+    ctx.claimed_at = started
+    ctx.claim_seconds += time.monotonic() - started
+    return decision, result if isinstance(result, Existing) else None
+
+
+def record(
+    ctx: RequestState,
+    outcome: RequestOutcome,
+    *,
+    source: str | None = None,
+    status: int | None = None,
+    error: BaseException | None = None,
+) -> None:
+    """The request's outcome, once: counted, logged and handed to the app's
+    observers (``metrics.Metrics.record``). Later calls for the same request (a
+    release after a failed completion, the teardown's fallback) are ignored."""
+    if ctx.outcome is None:
+        ctx.outcome = outcome
+        ctx.state.metrics.record(ctx, outcome, source=source, status=status, error=error)
+
+
+def _pass_through(ctx: RequestState) -> RequestOutcome:
+    """A request with no key to deduplicate: a safe method, or an optional route
+    called without one."""
+    return RequestOutcome.SAFE_METHOD if request.method in SAFE_METHODS else RequestOutcome.KEYLESS
+
+
+def _replay(ctx: RequestState, stored: StoredResponse, source: str) -> Response:
+    """Answer with a stored response, from the cache or the store."""
+    ctx.replayed = True
+    with ctx.state.metrics.phase(PHASE_REPLAY, ctx, source=source, status=stored.status):
+        answer = responses.replay(stored, ctx.state.profile)
+    record(ctx, RequestOutcome.REPLAYED, source=source, status=stored.status)
+    return answer
+
+
+def release(ctx: RequestState) -> None:
+    """Roll back the attempt and give up its claim (or its keyless transaction) once."""
+    if ctx.settled:
+        return
+    ctx.settled = True
+    if ctx.tx is None:
+        return
+    if ctx.record_key is None or ctx.token is None:
+        ctx.tx.rollback()
+        return
+    ctx.state.keeper.drop(ctx.record_key, ctx.token)
+    record(ctx, RequestOutcome.RELEASED)
+    ctx.tx.release(ctx.record_key, ctx.token)
+
+
+def after_request(response: Response) -> Response:
+    """Settle the attempt once its final response exists (complete or release)."""
+    ctx = request_state()
+    if ctx is None:
+        return response
+    response = _settle(ctx, response)
+    if ctx.state.settings.expose_headers:
+        responses.expose_headers(response)
+    return response
+
+
+def _settle(ctx: RequestState, response: Response) -> Response:
+    if ctx.replayed:
+        # A replay carries its header from responses.replay(); nothing to settle.
+        return response
+    if ctx.raised:
+        # Released when the view raised; this is an error handler's rendering.
+        if not ctx.own_error and ctx.record_key is not None:
+            responses.mark_original(response, ctx.state.profile)
+        return response
+    if ctx.settled:
+        return response
+    if ctx.record_key is None:
+        response = _settle_keyless(ctx, response)
+        record(ctx, _pass_through(ctx), status=response.status_code)
+        return response
+    if ctx.token is None or ctx.tx is None:
+        return response
+    return _settle_claim(ctx, ctx.tx, ctx.record_key, ctx.token, response)
+
+
+def _settle_keyless(ctx: RequestState, response: Response) -> Response:
+    """An ``optional`` route without a key: commit the view's transaction when its
+    answer is one that would have been stored, roll it back otherwise."""
+    ctx.settled = True
+    if ctx.tx is None:
+        return response
+    if not ctx.route.should_store(response.status_code):
+        ctx.tx.rollback()
+        return response
+    try:
+        ctx.tx.commit()
+    except StoreUnavailableError as exc:
+        record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
+        return _error_response(StoreUnavailable(retry_after=ctx.state.settings.retry_after))
+    return response
+
+
+def _settle_claim(
+    ctx: RequestState, tx: PostgresRequest, record_key: bytes, token: int, response: Response
+) -> Response:
+    state = ctx.state
+    try:
+        stored = responses.capture(
+            response,
+            state.settings.max_stored_body,
+            omit_oversize=ctx.route.oversize == "omit_body",
+        )
+    except responses.NotStorable:
+        stored = None
+    except BaseException:
+        # A streamed body that failed while it was read: as if the view raised.
+        ctx.raised = True
+        release(ctx)
+        raise
+    ctx.settled = True
+    state.keeper.drop(record_key, token)
+    if stored is None:
+        settlement = flow.Settlement.TOO_LARGE
+    else:
+        settlement = flow.settle(
+            stored.status, len(stored.body), ctx.route.should_store, state.settings.max_stored_body
+        )
+
+    if settlement is flow.Settlement.RELEASE:
+        record(ctx, RequestOutcome.RELEASED, status=response.status_code)
+        tx.release(record_key, token)
+        if not ctx.own_error:
+            responses.mark_original(response, state.profile)
+        return response
+    if settlement is flow.Settlement.TOO_LARGE or stored is None:
+        too_large = ResponseTooLarge()
+        record(ctx, RequestOutcome.NOT_STORABLE, status=too_large.code, error=too_large)
+        tx.release(record_key, token)
+        response.close()
+        return _error_response(too_large)
+
+    started = time.monotonic()
+    try:
+        with state.metrics.phase(PHASE_COMPLETE, ctx, status=stored.status):
+            tx.complete(record_key, token, stored)
+    except LeaseLostError:
+        ctx.completion_seconds = time.monotonic() - started
+        record(ctx, RequestOutcome.LEASE_LOST, status=LeaseLost.code)
+        return _error_response(LeaseLost(retry_after=state.settings.retry_after))
+    except StoreUnavailableError as exc:
+        ctx.completion_seconds = time.monotonic() - started
+        tx.release(record_key, token)
+        record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
+        return _error_response(StoreUnavailable(retry_after=state.settings.retry_after))
+    ctx.completion_seconds = time.monotonic() - started
+    record(ctx, RequestOutcome.EXECUTED, status=stored.status)
+    if state.settings.redis_fill == "completion":
+        # (With "replay" the copy is made by the first replay from PostgreSQL.)
+        remaining = ctx.route.ttl - (time.monotonic() - ctx.claimed_at)
+        state.cache.put(record_key, ctx.fingerprint, stored, remaining)
+    responses.mark_original(response, state.profile)
+    return response
+
+
+def _error_response(error: IdempotencyError) -> Response:
+    """Render one of our errors from ``after_request``, where raising is too late."""
+    return Response(error.get_body(), error.code, error.get_headers())
+
+
+def teardown_request(exc: BaseException | None) -> None:
+    """Give the claim and the connection back, whatever raised on the way."""
+    ctx = unbind()
+    if ctx is None:
+        return
+    if ctx.tx is not None:
+        if not ctx.settled and not ctx.replayed:
+            # The view raised past Flask's handlers, or after_request failed: nothing
+            # is stored, so a retry runs again.
+            release(ctx)
+        ctx.tx.close()
+    if ctx.outcome is None:  # a pass-through, or an answer no settlement saw
+        record(ctx, _pass_through(ctx) if ctx.record_key is None else RequestOutcome.RELEASED)

@@ -1,0 +1,204 @@
+"""The one owner of the extension's per-app and per-request state.
+
+Flask's extension guide keeps an extension's per-app state in
+``app.extensions[name]`` and its per-request state in ``g._name``. This module
+is the only place that spells either: everything else (the request runtime,
+the completer, the consumer guard, the CLI, the observers) asks it through
+:func:`app_state`, :func:`request_state` and :func:`bound`.
+
+It imports nothing of the package at run time beyond the route options, so
+any layer can use it without an import circle; the parts it holds are typed
+for the reader only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from flask import Flask, Request, current_app, g, has_app_context
+
+from .profiles import DEFAULT_PROBLEM_TYPE_BASE, STRIPE, Profile
+from .route_options import EffectiveOptions, RouteOptions, check_against_settings
+
+if TYPE_CHECKING:
+    from .cache.base import ResponseCache
+    from .lease import LeaseKeeper
+    from .metrics import Metrics
+    from .observer import RequestOutcome
+    from .settings import Settings
+    from .store.postgres import PostgresRequest, PostgresStore
+
+log = logging.getLogger("flask_idempotency")
+
+#: ``app.extensions`` key of the extension's :class:`AppState`.
+EXTENSION_KEY = "idempotency"
+#: ``g`` attribute of the current request's :class:`RequestState`.
+_REQUEST_ATTRIBUTE = "_idempotency"
+
+
+@dataclasses.dataclass
+class AppState:
+    """Everything one app's extension owns; lives in ``app.extensions["idempotency"]``."""
+
+    settings: Settings
+    store: PostgresStore
+    cache: ResponseCache
+    keeper: LeaseKeeper
+    metrics: Metrics
+    #: The error format and replay headers (``IDEMPOTENCY_PROFILE``).
+    profile: Profile
+    #: ``IDEMPOTENCY_AUTO_MIGRATE`` found PostgreSQL unreachable at start-up: the
+    #: migrations run before the first request that reaches it instead.
+    migrations_pending: bool = False
+    #: The start-up migration failed for an outage and was put off (for the log).
+    migration_deferred: bool = False
+    _migrate_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    #: Each route's options over the app's settings, checked on its first request.
+    _routes: dict[RouteOptions, EffectiveOptions] = dataclasses.field(default_factory=dict)
+
+    def migrate_if_pending(self) -> None:
+        """Apply the pending migrations once; raises ``StoreUnavailableError`` while
+        PostgreSQL is still unreachable (the caller answers 503)."""
+        if not self.migrations_pending:
+            return
+        with self._migrate_lock:
+            if self.migrations_pending:
+                self.store.migrate(self.settings.migration_dirs)
+                self.migrations_pending = False
+                if self.migration_deferred:
+                    log.warning("idempotency: PostgreSQL is back; migrations applied")
+
+    def options_for(self, options: RouteOptions) -> EffectiveOptions:
+        """A route's effective options; ``ValueError`` on its first request if they
+        break renewal interval < lease <= TTL together with the app's settings."""
+        effective = self._routes.get(options)
+        if effective is None:
+            effective = self._routes[options] = check_against_settings(options, self.settings)
+        return effective
+
+    def close(self) -> None:
+        """Stop the keeper and close the pool and cache (tests, app shutdown)."""
+        self.keeper.stop()
+        self.cache.close()
+        self.store.close()
+
+
+@dataclasses.dataclass
+class RequestState:
+    """What one attempt holds between its claim and its settlement: a view's
+    request, a recovered record (the completer) or a consumed message."""
+
+    state: AppState
+    #: ``None`` on an ``optional`` route called without a key: the view still gets
+    #: ``connection()``, in an ordinary transaction settled by the same rule.
+    record_key: bytes | None
+    fingerprint: bytes
+    route: EffectiveOptions
+    tx: PostgresRequest | None = None
+    token: int | None = None
+    claimed_at: float = 0.0
+    replayed: bool = False
+    settled: bool = False
+    #: The view raised (whatever an error handler then rendered): released, never stored.
+    raised: bool = False
+    #: The view ended in one of our errors (the store failed under it, its lease was
+    #: lost): released like any unstored answer, but without ``Idempotent-Replayed``.
+    own_error: bool = False
+    # -- recovery (``recovery.py``, ``phases.py``)
+    #: What a ``recover=`` route keeps with its claim, for the completer.
+    recovery: bytes | None = None
+    #: Recovery points committed for this record, by name: an earlier holder's
+    #: (taken over) and this attempt's own.
+    phases: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Names of the phases this attempt has reached (each may appear once).
+    phases_reached: set[str] = dataclasses.field(default_factory=set)
+    # -- for the outcome's metrics, log event and spans (``metrics.RequestFacts``)
+    #: ``time.monotonic()`` when the decorator took the request.
+    started: float = 0.0
+    #: The request itself (not Flask's proxy: reading it costs nothing).
+    request: Request | None = None
+    #: The principal the key belongs to (only its digest is ever reported).
+    scope: str | None = None
+    #: The claim took over a record whose holder's lease had expired.
+    takeover: bool = False
+    claim_seconds: float = 0.0
+    completion_seconds: float | None = None
+    #: Set once: every request reports exactly one outcome (``runtime.record``).
+    outcome: RequestOutcome | None = None
+    #: What the attempt's ``db.session`` stands on, when the app gave ``db=``.
+    session: Any = None
+
+
+def app_state(app: Flask | None = None) -> AppState:
+    """The extension's state on ``app`` (the current app when not given)."""
+    extensions = (app if app is not None else current_app).extensions
+    try:
+        state: AppState = extensions[EXTENSION_KEY]
+    except KeyError:
+        raise RuntimeError("flask_idempotency is not initialised on this app") from None
+    return state
+
+
+def find_app_state(app: Flask | None = None) -> AppState | None:
+    """The state on ``app`` (or the current app, if there is one), else ``None``."""
+    if app is None:
+        if not has_app_context():
+            return None
+        app = current_app
+    state: AppState | None = app.extensions.get(EXTENSION_KEY)
+    return state
+
+
+def current_profile() -> tuple[Profile, str]:
+    """The current app's profile and problem type base (how its errors render);
+    the default outside an app, or before ``init_app``."""
+    state = find_app_state()
+    if state is not None:
+        return state.profile, state.settings.problem_type_base
+    return STRIPE, DEFAULT_PROBLEM_TYPE_BASE
+
+
+def current_retry_after() -> int:
+    """The current app's ``IDEMPOTENCY_RETRY_AFTER``; 1 outside an app."""
+    state = find_app_state()
+    return state.settings.retry_after if state is not None else 1
+
+
+def install(app: Flask, state: AppState) -> None:
+    """Put ``state`` on ``app``; a second ``init_app`` on one app is a mistake."""
+    if EXTENSION_KEY in app.extensions:
+        raise RuntimeError("flask_idempotency is already initialised on this app")
+    app.extensions[EXTENSION_KEY] = state
+
+
+def request_state() -> RequestState | None:
+    """The attempt bound to the current context, if any."""
+    ctx: RequestState | None = g.get(_REQUEST_ATTRIBUTE)
+    return ctx
+
+
+def bind(ctx: RequestState) -> None:
+    """Make ``ctx`` the current context's attempt (``connection()``, ``emit()``...)."""
+    setattr(g, _REQUEST_ATTRIBUTE, ctx)
+
+
+def unbind() -> RequestState | None:
+    """Take the current context's attempt off it (so no hook settles it again)."""
+    ctx: RequestState | None = g.pop(_REQUEST_ATTRIBUTE, None)
+    return ctx
+
+
+@contextmanager
+def bound(ctx: RequestState) -> Iterator[RequestState]:
+    """``ctx`` bound for the block, and unbound after it whatever happens: the
+    request's own hooks must not settle an attempt its caller settles."""
+    bind(ctx)
+    try:
+        yield ctx
+    finally:
+        unbind()
