@@ -39,7 +39,9 @@ import psycopg2
 
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.pool import ConnectionPool
-from flask_idempotency.store.postgres import PostgresRequest, PostgresStore, response_params
+from flask_idempotency.store.postgres import PostgresStore
+from flask_idempotency.store.request import PostgresRequest
+from flask_idempotency.store.sql import response_params
 
 from .app import INSERT_CHARGE, database_url, prepare_database
 

@@ -36,7 +36,6 @@ dead attempt leaves no record, so the command refuses to run.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import enum
 import logging
 import threading
@@ -52,8 +51,8 @@ from .errors import LeaseLost, StoreUnavailable
 from .recovery import Abandoned, recoverable_routes
 from .route_options import EffectiveOptions, RouteOptions
 from .state import RequestState, app_state, bound, unbind
-from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError
-from .store.postgres import PostgresRequest, new_token
+from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError, Taken
+from .store.request import PostgresRequest
 
 log = logging.getLogger("flask_idempotency.recovery")
 
@@ -67,67 +66,6 @@ DEFAULT_BATCH_SIZE = 20
 #: Seconds between passes when the command runs as a loop.
 DEFAULT_INTERVAL = 10.0
 
-#: The pass's horizon, on the server's clock: records abandoned before it.
-PASS_CUTOFF = "SELECT now() - make_interval(secs => %s)"
-
-#: Take a batch of abandoned records over: each gets one of our lock tokens and a
-#: fresh lease, committed at once, so a client's retry now gets ``409`` and any
-#: late completion of the dead holder is refused. ``SKIP LOCKED``: completers
-#: running side by side take disjoint batches, and the lease is checked again
-#: under the row lock, so a record a client's retry just took is left alone.
-TAKE_OVER = """
-WITH candidates AS (
-    SELECT record_key, lease_expires_at FROM idempotency_records
-     WHERE state = 'processing' AND recovery IS NOT NULL
-       AND lease_expires_at <= %(cutoff)s AND expires_at > now()
-     ORDER BY lease_expires_at
-     LIMIT %(limit)s
-     FOR UPDATE SKIP LOCKED
-), numbered AS (
-    SELECT record_key, lease_expires_at, row_number() OVER () AS n FROM candidates
-)
-UPDATE idempotency_records AS r
-   SET lock_token = (%(tokens)s::bigint[])[numbered.n],
-       lease_expires_at = now() + make_interval(secs => %(lease)s),
-       expires_at = greatest(r.expires_at, now() + make_interval(secs => %(lease)s)),
-       takeovers = r.takeovers + 1
-  FROM numbered
- WHERE r.record_key = numbered.record_key
-   AND r.state = 'processing' AND r.lease_expires_at <= now()
-RETURNING r.record_key, r.fingerprint, r.lock_token, r.recovery, r.phases,
-          extract(epoch FROM now() - numbered.lease_expires_at)::float8
-"""
-#: "Cannot tell yet": the record is abandoned again at once, for the next pass
-#: (or a client's retry, which may now take it over without waiting).
-HAND_BACK = """
-UPDATE idempotency_records SET lock_token = NULL, lease_expires_at = now()
- WHERE record_key = %s AND lock_token = %s AND state = 'processing'
-"""
-#: "Nothing happened": the record goes, so a later retry runs afresh.
-RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
-#: "Nothing happened" after committed recovery points: their writes stand, so the
-#: record stays for a client's retry to resume, and the completer stops trying it.
-RELEASE_TO_CLIENT = """
-UPDATE idempotency_records SET lock_token = NULL, lease_expires_at = now(), recovery = NULL
- WHERE record_key = %s AND lock_token = %s AND state = 'processing'
-"""
-BUMP_TOTAL = """
-INSERT INTO idempotency_recovery_totals AS t (outcome, total, last_at)
-VALUES (%s, 1, now())
-ON CONFLICT (outcome) DO UPDATE SET total = t.total + 1, last_at = now()
-"""
-#: ``flask idempotency stats``: abandoned records now, and the completer's totals.
-STATS = """
-SELECT count(*), count(*) FILTER (WHERE recovery IS NOT NULL),
-       coalesce(max(extract(epoch FROM now() - lease_expires_at)), 0)::float8,
-       (SELECT coalesce(sum(total) FILTER (WHERE outcome = 'recovered'), 0)
-          FROM idempotency_recovery_totals),
-       (SELECT coalesce(sum(total) FILTER (WHERE outcome = 'released'), 0)
-          FROM idempotency_recovery_totals)
-  FROM idempotency_records
- WHERE state = 'processing' AND lease_expires_at <= now() AND expires_at > now()
-"""
-
 
 class RecoveryOutcome(enum.Enum):
     RECOVERED = "recovered"  # the answer is stored, with the recovery's writes
@@ -135,16 +73,6 @@ class RecoveryOutcome(enum.Enum):
     DEFERRED = "deferred"  # cannot tell yet: abandoned again for the next pass
     FENCED = "fenced"  # someone else holds the record now: nothing of ours kept
     SKIPPED = "skipped"  # no route of this app can recover it (handed back)
-
-
-@dataclasses.dataclass(frozen=True)
-class Taken:
-    record_key: bytes
-    fingerprint: bytes
-    token: int
-    recovery: bytes
-    phases: tuple[tuple[str, Any], ...]
-    abandoned_seconds: float
 
 
 class Recoverer:
@@ -195,11 +123,7 @@ class Recoverer:
         """Recover every record abandoned before the pass began; a record handed
         back during the pass waits for the next one."""
         outcomes: collections.Counter[RecoveryOutcome] = collections.Counter()
-        with self.state.store.transaction() as conn, conn.cursor() as cur:
-            cur.execute(PASS_CUTOFF, (self.older_than,))
-            row = cur.fetchone()
-        assert row is not None
-        cutoff = row[0]
+        cutoff = self.state.store.recovery_cutoff(self.older_than)
         while stop is None or not stop.is_set():
             batch = self._take_over(cutoff)
             for index, taken in enumerate(batch):
@@ -216,26 +140,7 @@ class Recoverer:
         return outcomes
 
     def _take_over(self, cutoff: Any) -> list[Taken]:
-        params = {
-            "cutoff": cutoff,
-            "limit": self.batch_size,
-            "tokens": [new_token() for _ in range(self.batch_size)],
-            "lease": self.lease,
-        }
-        with self.state.store.transaction() as conn, conn.cursor() as cur:
-            cur.execute(self.state.store.timeouts + TAKE_OVER, params)
-            rows = cur.fetchall()
-        taken = [
-            Taken(
-                record_key=bytes(r[0]),
-                fingerprint=bytes(r[1]),
-                token=int(r[2]),
-                recovery=bytes(r[3]),
-                phases=tuple((str(name), data) for name, data in r[4] or ()),
-                abandoned_seconds=max(0.0, float(r[5])),
-            )
-            for r in rows
-        ]
+        taken = self.state.store.take_over(cutoff, self.batch_size, self.lease)
         for item in taken:
             self.state.keeper.hold(LeaseHold(item.record_key, item.token, self.lease))
             self.state.metrics.inc("abandoned")
@@ -363,10 +268,8 @@ class Recoverer:
         if settlement is flow.Settlement.TOO_LARGE:
             tx.rollback()
             return self._hand_back(taken, RecoveryOutcome.DEFERRED)
-        conn = tx.connection()
-        with conn.cursor() as cur:
-            cur.execute(BUMP_TOTAL, (RecoveryOutcome.RECOVERED.value,))
         try:
+            tx.count_recovered()
             tx.complete(taken.record_key, taken.token, stored)
         except LeaseLostError:
             log.warning("idempotency recover: key %s: taken over meanwhile; rolled back", label)
@@ -375,12 +278,11 @@ class Recoverer:
         return RecoveryOutcome.RECOVERED
 
     def _release(self, taken: Taken) -> RecoveryOutcome:
-        statement = RELEASE_TO_CLIENT if taken.phases else RELEASE
-        with self.state.store.transaction() as conn, conn.cursor() as cur:
-            cur.execute(statement, (taken.record_key, taken.token))
-            if cur.rowcount != 1:
-                return RecoveryOutcome.FENCED
-            cur.execute(BUMP_TOTAL, (RecoveryOutcome.RELEASED.value,))
+        store = self.state.store
+        if not store.release_abandoned(
+            taken.record_key, taken.token, keep_phases=bool(taken.phases)
+        ):
+            return RecoveryOutcome.FENCED
         log.info("idempotency recover: key %s released", keys.log_key(taken.record_key))
         return RecoveryOutcome.RELEASED
 
@@ -388,10 +290,8 @@ class Recoverer:
         self, taken: Taken, outcome: RecoveryOutcome = RecoveryOutcome.DEFERRED
     ) -> RecoveryOutcome:
         self.state.keeper.drop(taken.record_key, taken.token)
-        with self.state.store.transaction() as conn, conn.cursor() as cur:
-            cur.execute(HAND_BACK, (taken.record_key, taken.token))
-            if cur.rowcount != 1:
-                return RecoveryOutcome.FENCED
+        if not self.state.store.hand_back(taken.record_key, taken.token):
+            return RecoveryOutcome.FENCED
         return outcome
 
 
@@ -411,18 +311,6 @@ def describe(outcomes: Mapping[RecoveryOutcome, int]) -> str:
 
 
 def stats(store: Any) -> dict[str, float]:
-    """Abandoned records now (``abandoned``: processing, lease ended, not taken over;
-    ``recoverable``: those of ``recover=`` routes; how long the oldest has waited)
-    and the completer's totals (``recovered``, ``recovery_released``)."""
-    with store.transaction() as conn, conn.cursor() as cur:
-        cur.execute(STATS)
-        row = cur.fetchone()
-    assert row is not None
-    names = (
-        "abandoned",
-        "recoverable",
-        "oldest_abandoned_seconds",
-        "recovered",
-        "recovery_released",
-    )
-    return {name: float(value) for name, value in zip(names, row, strict=True)}
+    """Abandoned records now and the completer's totals (``Maintenance.recovery_stats``)."""
+    result: dict[str, float] = store.recovery_stats()
+    return result

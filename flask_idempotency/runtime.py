@@ -39,7 +39,7 @@ from .store.base import (
     StoredResponse,
     StoreUnavailableError,
 )
-from .store.postgres import PostgresRequest
+from .store.request import PostgresRequest
 
 #: Methods that are idempotent already: the layer lets them through, key or not.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})

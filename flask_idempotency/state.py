@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from .metrics import Metrics
     from .observer import RequestOutcome
     from .settings import Settings
-    from .store.postgres import PostgresRequest, PostgresStore
+    from .store.postgres import PostgresStore
+    from .store.request import PostgresRequest
 
 log = logging.getLogger("flask_idempotency")
 

@@ -15,7 +15,7 @@ import psycopg2
 from flask import Flask
 
 from flask_idempotency.store.base import Claimed, StoredResponse, StoreUnavailableError
-from flask_idempotency.store.postgres import advisory_locks
+from flask_idempotency.store.sql import advisory_locks
 
 MakeApp = Callable[..., Flask]
 TRANSACTION = {"IDEMPOTENCY_CLAIM_MODE": "transaction"}

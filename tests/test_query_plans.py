@@ -26,7 +26,8 @@ import pytest
 
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.pool import ConnectionPool
-from flask_idempotency.store.postgres import COMPLETE, PostgresStore
+from flask_idempotency.store.postgres import PostgresStore
+from flask_idempotency.store.sql import COMPLETE
 
 #: Enough rows that a sequential scan is never the cheapest plan.
 GROWN_TO = 20_000

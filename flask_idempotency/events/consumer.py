@@ -65,20 +65,6 @@ log = logging.getLogger("flask_idempotency.events")
 #: the fact that the message was handled.
 HANDLED_RECORD = StoredResponse(200, (), b"")
 
-#: Counts the failed attempt (its lease ends now, the record stays, so the next
-#: delivery takes it over and ``takeovers`` grows) and says how many came before.
-FAIL_ATTEMPT = """
-UPDATE idempotency_records
-   SET lease_expires_at = now(), lock_token = NULL
- WHERE record_key = %s AND lock_token = %s AND state = 'processing'
-RETURNING takeovers
-"""
-ATTEMPTS_SO_FAR = """
-SELECT takeovers FROM idempotency_records
- WHERE record_key = %s AND lock_token = %s AND state = 'processing'
-"""
-RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
-
 
 class ConsumerOutcome(enum.Enum):
     HANDLED = "handled"
@@ -368,15 +354,13 @@ class ConsumerGuard:
         error = f"{type(exc).__name__}: {exc}"[:500]
         tx.close()
         try:
-            with state.store.transaction() as conn, conn.cursor() as cur:
-                cur.execute(ATTEMPTS_SO_FAR, (record_key, token))
-                row = cur.fetchone()
+            earlier = state.store.attempts_so_far(record_key, token)
         except StoreUnavailableError:
             # The lease will lapse; the next delivery takes it over and counts it.
             return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "handler_failed")
-        if row is None:
+        if earlier is None:
             return Result(ConsumerOutcome.FENCED, reason="lease_lost")
-        attempts = int(row[0]) + 1
+        attempts = earlier + 1
         log.warning(
             "consumer %s: handler failed on key %s (attempt %d of %d): %s",
             name,
@@ -395,9 +379,9 @@ class ConsumerGuard:
             except Exception as dl_exc:
                 log.error("consumer %s: dead-lettering failed: %s", name, type(dl_exc).__name__)
             else:
-                self._run(state, RELEASE, record_key, token)
+                self._best_effort(state.store.release_claim, record_key, token)
                 return result
-        self._run(state, FAIL_ATTEMPT, record_key, token)
+        self._best_effort(state.store.fail_attempt, record_key, token)
         return Result(
             ConsumerOutcome.RETRY, self.retry_delay(attempts), "handler_failed", attempts=attempts
         )
@@ -415,10 +399,11 @@ class ConsumerGuard:
         return result
 
     @staticmethod
-    def _run(state: Any, sql: str, record_key: bytes, token: int) -> None:
-        """Best effort: if PostgreSQL is away the lease lapses, with the same effect."""
+    def _best_effort(
+        operation: Callable[[bytes, int], None], record_key: bytes, token: int
+    ) -> None:
+        """If PostgreSQL is away the lease lapses, with the same effect."""
         try:
-            with state.store.transaction() as conn, conn.cursor() as cur:
-                cur.execute(sql, (record_key, token))
+            operation(record_key, token)
         except StoreUnavailableError as exc:
             log.warning("consumer: could not record the attempt: %s", exc)

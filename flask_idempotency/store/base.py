@@ -87,30 +87,6 @@ class RecordInfo:
     expired: bool
 
 
-class RequestTransaction(Protocol):
-    """The per-request handle: one pooled connection, claim to completion."""
-
-    def claim(
-        self,
-        record_key: bytes,
-        fingerprint: bytes,
-        *,
-        lease: float,
-        ttl: float,
-        recovery: bytes | None = None,
-    ) -> ClaimResult: ...
-
-    def connection(self) -> Any: ...
-
-    def complete(self, record_key: bytes, token: int, response: StoredResponse) -> float: ...
-
-    def checkpoint(self, record_key: bytes, token: int, phase: str, data_json: str) -> None: ...
-
-    def release(self, record_key: bytes, token: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class Store(Protocol):
     """What the extension needs from a durable store."""
 
@@ -137,3 +113,16 @@ class Store(Protocol):
     def transaction(self) -> AbstractContextManager[Any]: ...
 
     def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """An abandoned record the completer took over (``Maintenance.take_over``)."""
+
+    record_key: bytes
+    fingerprint: bytes
+    token: int
+    #: What the route's claim kept for recovery (``recovery.capture``).
+    recovery: bytes
+    phases: tuple[tuple[str, Any], ...]
+    abandoned_seconds: float

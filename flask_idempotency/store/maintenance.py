@@ -1,0 +1,212 @@
+"""The store's maintenance: everything that is not one request's claim.
+
+Purge, inspection and unlock for the CLI; the completer's takeover of
+abandoned records and its settlements; the consumer guard's attempt counting.
+Each runs on a pooled connection of its own, under the same ``SET LOCAL``
+statement and lock timeouts and client-side deadline as the request path, so
+a PostgreSQL that stops answering fails these with ``StoreUnavailableError``
+instead of hanging an operator's command, a completer or a consumer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import psycopg2
+
+from .base import RecordInfo, StoreUnavailableError, Taken
+from .pool import Connection
+from .sql import (
+    ATTEMPTS_SO_FAR,
+    BUMP_RECOVERY_TOTAL,
+    COUNT_EXPIRED,
+    END_LEASE,
+    FAIL_ATTEMPT,
+    INFO,
+    PASS_CUTOFF,
+    PURGE_BATCH,
+    RECOVERY_STATS,
+    RELEASE,
+    RELEASE_TO_CLIENT,
+    STATS,
+    TAKE_OVER,
+    UNLOCK,
+    headers_from_json,
+    new_token,
+)
+from .watchdog import WATCHDOG
+
+
+@dataclasses.dataclass(frozen=True)
+class Ran:
+    """What one maintenance statement returned."""
+
+    rowcount: int
+    rows: list[tuple[Any, ...]]
+
+
+class Maintenance:
+    """Mixed into :class:`~.postgres.PostgresStore`, which provides the pool's
+    connections, the ``SET LOCAL`` prefix and the deadline."""
+
+    timeouts: str
+    deadline: float
+
+    def autocommit(self) -> AbstractContextManager[Connection]:
+        raise NotImplementedError
+
+    def _run(self, sql: str, params: Any = None) -> Ran:
+        """``sql`` as one implicit transaction, under the store's timeouts (sent in
+        the same round trip) and the watchdog's deadline."""
+        with self.autocommit() as conn:
+            ticket = WATCHDOG.watch(conn, self.deadline)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(self.timeouts + sql, params)
+                    rows = cur.fetchall() if cur.description is not None else []
+                    ran = Ran(cur.rowcount, rows)
+            finally:
+                fired = WATCHDOG.unwatch(ticket)
+            if fired:  # answered just as the socket was shut down: not to be trusted
+                conn.close()
+                raise StoreUnavailableError("no answer from PostgreSQL before the deadline")
+            return ran
+
+    def count_expired(self) -> int:
+        return int(self._run(COUNT_EXPIRED).rows[0][0])
+
+    def purge(self, batch_size: int) -> Iterator[list[bytes]]:
+        """Delete expired rows a batch at a time (each its own transaction), yielding
+        the deleted keys so a cache can evict them too."""
+        while True:
+            keys = [bytes(r[0]) for r in self._run(PURGE_BATCH, (batch_size,)).rows]
+            if keys:
+                yield keys
+            if len(keys) < batch_size:
+                return
+
+    def info(self, record_key: bytes) -> RecordInfo | None:
+        rows = self._run(INFO, (record_key,)).rows
+        if not rows:
+            return None
+        row = rows[0]
+        return RecordInfo(
+            state=row[0],
+            created_at=row[1],
+            expires_at=row[2],
+            completed_at=row[3],
+            lease_expires_at=row[4],
+            status=row[5],
+            body=bytes(row[6]) if row[6] is not None else None,
+            headers=headers_from_json(row[7]),
+            age_seconds=float(row[8]),
+            expired=bool(row[9]),
+        )
+
+    def stats(self) -> dict[str, float]:
+        row = self._run(STATS).rows[0]
+        names = (
+            "processing",
+            "completed",
+            "expired",
+            "lease_expired",
+            "oldest_processing_seconds",
+            "takeovers",
+        )
+        return {name: float(value) for name, value in zip(names, row, strict=True)}
+
+    def unlock(self, record_key: bytes) -> bool:
+        return self._run(UNLOCK, (record_key,)).rowcount > 0
+
+    # -- the completer (``completer.py``) ----------------------------------------
+
+    def recovery_cutoff(self, older_than: float) -> Any:
+        """The server's ``now() - older_than``: a pass recovers what was abandoned
+        before it (measured on one clock, the database's)."""
+        return self._run(PASS_CUTOFF, (older_than,)).rows[0][0]
+
+    def take_over(self, cutoff: Any, limit: int, lease: float) -> list[Taken]:
+        """Take up to ``limit`` records abandoned before ``cutoff`` over, each under
+        a new lock token and a fresh ``lease``, committed at once."""
+        params = {
+            "cutoff": cutoff,
+            "limit": limit,
+            "tokens": [new_token() for _ in range(limit)],
+            "lease": lease,
+        }
+        return [
+            Taken(
+                record_key=bytes(r[0]),
+                fingerprint=bytes(r[1]),
+                token=int(r[2]),
+                recovery=bytes(r[3]),
+                phases=tuple((str(name), data) for name, data in r[4] or ()),
+                abandoned_seconds=max(0.0, float(r[5])),
+            )
+            for r in self._run(TAKE_OVER, params).rows
+        ]
+
+    def hand_back(self, record_key: bytes, token: int) -> bool:
+        """End our lease on a record at once, keeping it ("cannot tell yet"); False
+        if it is no longer ours."""
+        return self._run(END_LEASE, (record_key, token)).rowcount == 1
+
+    def release_abandoned(self, record_key: bytes, token: int, *, keep_phases: bool) -> bool:
+        """ "Nothing happened": delete the record (or, with committed recovery points,
+        give it back to its client) and count the release; False if no longer ours."""
+        statement = RELEASE_TO_CLIENT if keep_phases else RELEASE
+        with self.autocommit() as conn:
+            ticket = WATCHDOG.watch(conn, self.deadline)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute("BEGIN;\n" + self.timeouts + statement, (record_key, token))
+                    released = cur.rowcount == 1
+                    if released:
+                        cur.execute(BUMP_RECOVERY_TOTAL, ("released",))
+                    cur.execute("COMMIT")
+            except BaseException:
+                if not conn.closed:
+                    try:
+                        with conn.cursor() as cur:
+                            cur.execute("ROLLBACK")
+                    except psycopg2.Error:
+                        conn.close()
+                raise
+            finally:
+                if WATCHDOG.unwatch(ticket):
+                    conn.close()
+        return released
+
+    def recovery_stats(self) -> dict[str, float]:
+        """Abandoned records now (``abandoned``: processing, lease ended, not taken
+        over; ``recoverable``: those of ``recover=`` routes; how long the oldest has
+        waited) and the completer's totals (``recovered``, ``recovery_released``)."""
+        row = self._run(RECOVERY_STATS).rows[0]
+        names = (
+            "abandoned",
+            "recoverable",
+            "oldest_abandoned_seconds",
+            "recovered",
+            "recovery_released",
+        )
+        return {name: float(value) for name, value in zip(names, row, strict=True)}
+
+    # -- the consumer guard (``events/consumer.py``) ------------------------------
+
+    def attempts_so_far(self, record_key: bytes, token: int) -> int | None:
+        """Earlier attempts at a message we hold (its takeovers); ``None`` if the
+        record is no longer ours."""
+        rows = self._run(ATTEMPTS_SO_FAR, (record_key, token)).rows
+        return int(rows[0][0]) if rows else None
+
+    def fail_attempt(self, record_key: bytes, token: int) -> None:
+        """End a failed attempt's lease now and keep the record, so the next
+        delivery takes it over (and counts one more attempt)."""
+        self._run(FAIL_ATTEMPT, (record_key, token))
+
+    def release_claim(self, record_key: bytes, token: int) -> None:
+        """Delete a record we hold, so the next delivery starts afresh."""
+        self._run(RELEASE, (record_key, token))

@@ -1,0 +1,385 @@
+"""One request's connection, from claim to completion or release.
+
+Two claim modes, one class each, chosen by ``IDEMPOTENCY_CLAIM_MODE``:
+:class:`RowClaimRequest` commits a processing row of its own and holds it with
+a lease; :class:`TransactionClaimRequest` opens the business transaction with
+the claim, under advisory locks, and its COMMIT inserts the completed record.
+Everything else (the view's transaction, the completion's fencing, the
+release, recovery points) is :class:`PostgresRequest`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import psycopg2
+
+from .base import (
+    Claimed,
+    ClaimResult,
+    Existing,
+    LeaseLostError,
+    StoredResponse,
+    StoreUnavailableError,
+)
+from .errors import is_unreachable
+from .pool import Connection
+from .sql import (
+    BUMP_RECOVERY_TOTAL,
+    CHECKPOINT,
+    CLAIM_IN_TRANSACTION,
+    END_LEASE,
+    LEASE_LOST_SQLSTATE,
+    PREPARED_STATEMENT_EXISTS,
+    PREPARED_STATEMENT_MISSING,
+    RELEASE,
+    advisory_locks,
+    headers_from_json,
+    new_token,
+    response_params,
+)
+from .watchdog import WATCHDOG
+
+if TYPE_CHECKING:
+    from .postgres import PostgresStore
+
+log = logging.getLogger("flask_idempotency.store")
+
+
+class PostgresRequest:
+    """One request's connection, from claim to completion or release.
+
+    The connection is in autocommit mode; when the view asks for it, an explicit
+    ``BEGIN`` opens the business transaction, which the completion commits. The
+    view cannot commit early by accident: psycopg2's ``commit()`` is a no-op in
+    autocommit mode.
+    """
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+        self._conn: Connection | None = None
+        self._in_transaction = False
+        #: One of our statements got no answer before its deadline: PostgreSQL is
+        #: not answering, so the release does not wait on a new connection too.
+        self._unresponsive = False
+        #: A transaction-mode claim's request, kept for the completed record.
+        self._claimed: tuple[bytes, float] | None = None
+        #: The record holds committed recovery points (claimed with them, or one
+        #: committed since): a release keeps it for the next attempt to resume.
+        self.has_progress = False
+
+    #: Whether the claim is a processing row whose lease the keeper must renew
+    #: (row mode); a transaction-mode claim lives and dies with its session.
+    holds_lease = True
+
+    def claim(
+        self,
+        record_key: bytes,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        recovery: bytes | None = None,
+    ) -> ClaimResult:
+        """Claim ``record_key`` for this request, or read who has it."""
+        raise NotImplementedError
+
+    def _acquire(self) -> Connection:
+        if self._conn is None:
+            self._conn = self._store.pool.getconn()
+        return self._conn
+
+    def _drop(self, *, peers: bool = True) -> None:
+        """Give back a connection that failed: it is not reused, nor (when the
+        database looks unreachable) are its idle peers."""
+        conn, self._conn = self._conn, None
+        self._in_transaction = False
+        if conn is not None:
+            self._store.pool.putconn(conn, discard=True)
+        if peers:
+            self._store.pool.discard_idle()
+
+    def _execute(
+        self, conn: Connection, sql: str, params: Any = None, *, fetch: bool = False
+    ) -> Any:
+        """Run one of the extension's own statements under the client-side deadline;
+        the first row if ``fetch``. Raises the driver's errors; a statement the
+        watchdog had to cut off raises ``OperationalError`` and marks the request
+        unresponsive."""
+        ticket = WATCHDOG.watch(conn, self._store.deadline)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                row = cur.fetchone() if fetch else None
+        finally:
+            fired = WATCHDOG.unwatch(ticket)
+            if fired:
+                self._unresponsive = True
+        if fired:  # answered as the socket was shut down: the connection is gone anyway
+            raise psycopg2.OperationalError("no answer from PostgreSQL before the deadline")
+        return row
+
+    def connection(self) -> Connection:
+        conn = self._acquire()
+        if not self._in_transaction:
+            try:
+                self._execute(conn, "BEGIN")
+            except psycopg2.Error as exc:
+                self._drop(peers=self._unresponsive or is_unreachable(exc, conn))
+                raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
+            self._in_transaction = True
+        return conn
+
+    def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
+        conn = self._acquire()
+        # The timeouts come after the view's last statement, in the same round trip.
+        store = self._store
+        answer = response_params(response)
+        sql_params: tuple[Any, ...]
+        if self._claimed is not None:
+            fingerprint, ttl = self._claimed
+            sql_params = (record_key, fingerprint, ttl, *answer)
+            sql = store.insert_completed
+        else:
+            sql_params = (record_key, token, *answer)
+            sql = store.complete_in_transaction if self._in_transaction else store.complete_alone
+        try:
+            self._execute(conn, sql, sql_params)
+        except psycopg2.Error as exc:
+            if self._unresponsive or is_unreachable(exc, conn):
+                self._drop()
+                raise StoreUnavailableError(f"completion failed: {type(exc).__name__}") from exc
+            if self._in_transaction:
+                self._rollback()
+            if exc.pgcode == LEASE_LOST_SQLSTATE:
+                raise LeaseLostError() from exc
+            raise StoreUnavailableError(f"completion failed: {type(exc).__name__}") from exc
+        self._in_transaction = False
+        self._claimed = None
+
+    def checkpoint(self, record_key: bytes, token: int, phase: str, data_json: str) -> None:
+        """Commit the view's transaction so far together with the recovery point
+        ``phase`` (row mode), in one round trip; ``LeaseLostError`` if the record was
+        taken over (the transaction is rolled back). A view that had a transaction
+        open gets a new one in the same round trip, so a connection it fetched
+        before the phase never drops into autocommit."""
+        conn = self._acquire()
+        reopen = self._in_transaction
+        sql = self._store.timeouts + CHECKPOINT
+        if reopen:
+            sql += ";\nCOMMIT;\nBEGIN"
+        try:
+            self._execute(conn, sql, (record_key, token, phase, data_json))
+        except psycopg2.Error as exc:
+            if self._unresponsive or is_unreachable(exc, conn):
+                self._drop()
+                raise StoreUnavailableError(f"checkpoint failed: {type(exc).__name__}") from exc
+            if self._in_transaction:
+                self._rollback()
+            if exc.pgcode == LEASE_LOST_SQLSTATE:
+                raise LeaseLostError() from exc
+            raise StoreUnavailableError(f"checkpoint failed: {type(exc).__name__}") from exc
+        self.has_progress = True
+
+    def count_recovered(self) -> None:
+        """Count one more recovered record in this request's transaction (the
+        completer's total commits with the recovered answer, or not at all)."""
+        conn = self.connection()
+        with conn.cursor() as cur:
+            cur.execute(BUMP_RECOVERY_TOTAL, ("recovered",))
+
+    def _rollback(self) -> None:
+        if self._conn is None:
+            return
+        try:
+            self._execute(self._conn, "ROLLBACK")
+            self._in_transaction = False
+        except psycopg2.Error as exc:
+            self._drop(peers=self._unresponsive or is_unreachable(exc, self._conn))
+
+    def release(self, record_key: bytes, token: int) -> None:
+        """Roll back the view's writes and delete our claim, so a retry runs again.
+        A record with committed recovery points is kept instead, its lease ended,
+        so the retry resumes after them (``END_LEASE``).
+
+        Best effort: if the database is gone the claim expires with its lease. After
+        a statement of this request got no answer at all, no new connection is
+        tried (it would only wait out the connect timeout).
+        """
+        if self._unresponsive:
+            log.warning("idempotency: PostgreSQL not answering; the claim is left to expire")
+            self._drop()
+            return
+        if self._claimed is not None:
+            # Nothing was written but in this transaction: its rollback is the release.
+            self._claimed = None
+            self._rollback()
+            return
+        release = self._store.timeouts + (END_LEASE if self.has_progress else RELEASE)
+        sql = ("ROLLBACK;\n" + release) if self._in_transaction else release
+        try:
+            conn = self._acquire()
+            self._execute(conn, sql, (record_key, token))
+            self._in_transaction = False
+        except (psycopg2.Error, StoreUnavailableError) as exc:
+            log.warning(
+                "idempotency: release failed (%s); the lease will expire", type(exc).__name__
+            )
+            unreachable = not isinstance(exc, psycopg2.Error) or is_unreachable(exc, self._conn)
+            self._drop(peers=self._unresponsive or unreachable)
+
+    def rollback(self) -> None:
+        """Roll back the view's transaction, if it opened one (keyless requests)."""
+        if self._in_transaction:
+            self._rollback()
+
+    def commit(self) -> None:
+        """Commit the view's transaction on a keyless request; ``StoreUnavailableError``
+        if the database went away, the driver's own error for anything else (a
+        deferred constraint is the application's error, not an outage)."""
+        if not self._in_transaction or self._conn is None:
+            return
+        try:
+            with self._conn.cursor() as cur:
+                cur.execute("COMMIT")
+        except psycopg2.Error as exc:
+            if is_unreachable(exc, self._conn):
+                self._drop()
+                raise StoreUnavailableError(f"COMMIT failed: {type(exc).__name__}") from exc
+            self._rollback()
+            raise
+        self._in_transaction = False
+
+    def close(self) -> None:
+        if self._conn is not None:
+            if self._in_transaction:
+                self._rollback()
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                self._store.pool.putconn(conn, discard=bool(conn.closed))
+
+
+class RowClaimRequest(PostgresRequest):
+    """Row mode: the claim is a ``processing`` row committed on its own (one
+    statement), kept alive by the lease keeper; the completion fills it in."""
+
+    holds_lease = True
+
+    def claim(
+        self,
+        record_key: bytes,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        recovery: bytes | None = None,
+    ) -> ClaimResult:
+        """Claim ``record_key`` for this request, or read who has it. ``recovery`` is
+        kept with a row-mode claim for ``flask idempotency recover`` (``recovery.py``);
+        a transaction-mode claim leaves nothing behind a dead holder to recover."""
+        token = new_token()
+        params = {
+            "key": record_key,
+            "fp": fingerprint,
+            "token": token,
+            "lease": lease,
+            "ttl": ttl,
+            "recovery": psycopg2.Binary(recovery) if recovery is not None else None,
+        }
+        retried_connection = retried_prepare = False
+        for _ in range(5):
+            conn = self._acquire()
+            try:
+                row = self._execute(conn, self._store.claim_sql(conn), params, fetch=True)
+            except psycopg2.Error as exc:
+                if self._unresponsive:
+                    self._drop()
+                    raise StoreUnavailableError("claim failed: PostgreSQL did not answer") from exc
+                if is_unreachable(exc, conn):
+                    self._drop()
+                    # A pooled connection may be stale after a server restart: one retry
+                    # on a fresh connection. The statement never reached the server then.
+                    if not retried_connection:
+                        retried_connection = True
+                        continue
+                    raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
+                if exc.pgcode == PREPARED_STATEMENT_MISSING and not retried_prepare:
+                    retried_prepare = True
+                    self._store.forget_prepared(conn)
+                    continue  # deallocated under us (DISCARD ALL): prepare it again
+                if exc.pgcode == PREPARED_STATEMENT_EXISTS and not retried_prepare:
+                    retried_prepare = True
+                    continue  # already prepared on this session: now known, execute it
+                # The server answered (a statement or lock timeout, say): the
+                # connection is sound and goes back to the pool with the request.
+                raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
+            if row is None:
+                continue  # the row appeared or vanished concurrently; look again
+            if row[0]:
+                phases = tuple((str(name), data) for name, data in row[8] or ())
+                self.has_progress = bool(phases)
+                return Claimed(token, phases, takeover=bool(row[9]))
+            response = None
+            if row[1] == "completed":
+                response = StoredResponse(int(row[3]), headers_from_json(row[4]), bytes(row[5]))
+            return Existing(
+                state=row[1],
+                fingerprint=bytes(row[2]),
+                response=response,
+                lease_remaining=row[6],
+                ttl_remaining=row[7],
+            )
+        raise StoreUnavailableError("claim did not settle after repeated concurrent changes")
+
+
+class TransactionClaimRequest(PostgresRequest):
+    """Transaction mode: the business transaction opens with the claim (one round
+    trip, two advisory locks); no processing row and no lease."""
+
+    holds_lease = False
+
+    def claim(
+        self,
+        record_key: bytes,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        recovery: bytes | None = None,
+    ) -> ClaimResult:
+        """Open the business transaction with the claim: ``Claimed`` leaves it open
+        for the view; any other answer is for the caller to ``close()``."""
+        if self._in_transaction:
+            self._rollback()  # a waiting duplicate's earlier try
+        request_lock, key_lock = advisory_locks(record_key, fingerprint)
+        params = (record_key, request_lock, key_lock)
+        for attempt in range(2):
+            conn = self._acquire()
+            try:
+                row = self._execute(conn, CLAIM_IN_TRANSACTION, params, fetch=True)
+                break
+            except psycopg2.Error as exc:
+                unreachable = self._unresponsive or is_unreachable(exc, conn)
+                self._drop(peers=unreachable)
+                if unreachable and attempt == 0 and not self._unresponsive:
+                    continue  # a stale pooled connection: once more on a fresh one
+                raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
+        self._in_transaction = True
+        if row is None:
+            self._claimed = (fingerprint, ttl)
+            return Claimed(new_token())  # names the attempt; the locks fence
+        locked, same_request, state, stored_fingerprint = row[:4]
+        if not locked:
+            # Held by a live transaction: the same request (409), or another (422).
+            return Existing("processing", fingerprint if same_request else b"", None)
+        stored_fingerprint = bytes(stored_fingerprint)
+        if state == "processing" and row[7] is not None and row[7] <= 0:
+            if stored_fingerprint == fingerprint:
+                # A dead row-mode holder of this request: the completion takes it over.
+                self._claimed = (fingerprint, ttl)
+                return Claimed(new_token())  # names the attempt; the locks fence
+        response = None
+        if state == "completed":
+            response = StoredResponse(int(row[4]), headers_from_json(row[5]), bytes(row[6]))
+        return Existing(state, stored_fingerprint, response, row[7], row[8])

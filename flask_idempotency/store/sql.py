@@ -1,0 +1,307 @@
+"""Every statement on the extension's tables, and how its parameters are built.
+
+The one place SQL on ``idempotency_records`` is written: the request path
+(``request.py``), the store's maintenance (``postgres.py``, ``maintenance.py``),
+the completer and the consumer guard all run these, under the store's
+``SET LOCAL`` timeouts and client-side deadline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from typing import Any
+
+import psycopg2
+
+from .base import StoredResponse
+
+LEASE_LOST_SQLSTATE = "IK409"
+#: ``EXECUTE`` of a prepared statement the session no longer has (the application
+#: ran ``DEALLOCATE ALL`` or ``DISCARD ALL`` on a borrowed connection): prepare again.
+PREPARED_STATEMENT_MISSING = "26000"
+#: ``PREPARE`` of a name the session already has (prepared by another store).
+PREPARED_STATEMENT_EXISTS = "42P05"
+
+#: Seconds past the statement timeout after which the client stops waiting for any
+#: answer and shuts the connection down (see ``watchdog.py``).
+CLIENT_DEADLINE_GRACE = 1.0
+
+#: One statement claims the key or reads the existing row. It reads first, so a
+#: replay or a 409 takes no row lock and writes nothing (an ``ON CONFLICT DO
+#: UPDATE ... WHERE false`` alone would lock the row and write WAL for every
+#: duplicate). The INSERT then takes the key when it is new, when the old record
+#: expired (treated as absent), or when a processing record's lease ran out under
+#: the *same* request (a crashed holder). A different request under a dead
+#: holder's key stays a 422: the key is bound to its first request until the TTL
+#: ends. ``ON CONFLICT`` settles races with a concurrent claimer; when a row
+#: appears or vanishes between the read and the insert, neither branch returns a
+#: row and the caller simply runs the statement again. The same holds when the
+#: row read was one we could take (expired, or a dead holder's) but another
+#: claimer took it first: the second branch never answers from that stale read
+#: (it would replay an expired answer, or a 422, where the truth is a 409), so
+#: the statement runs again and sees the new holder.
+#: A route that declares ``recover=`` sends what recovery needs as $6 (NULL for
+#: every other route), so it is written with the claim, in the same round trip.
+#: Taking over a dead holder of the same request keeps the recovery points it
+#: committed (the view resumes after them, and they come back in the claimed
+#: row); a claim of an expired record (a new request) drops them.
+#: Parameters: $1 record key, $2 fingerprint, $3 lock token, $4 lease, $5 TTL (s),
+#: $6 recovery payload or NULL (``recovery.py``).
+CLAIM_BODY = """
+WITH existing AS (
+    SELECT state, fingerprint, status_code, headers, body, lease_expires_at, expires_at
+      FROM idempotency_records WHERE record_key = $1
+), claimed AS (
+    INSERT INTO idempotency_records AS r
+        (record_key, fingerprint, state, lock_token, lease_expires_at, created_at, expires_at,
+         recovery)
+    SELECT $1, $2, 'processing', $3, now() + make_interval(secs => $4), now(),
+           now() + make_interval(secs => $5), $6
+     WHERE NOT EXISTS (
+            SELECT 1 FROM existing e
+             WHERE e.expires_at > now()
+               AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
+                        AND e.fingerprint = $2))
+    ON CONFLICT (record_key) DO UPDATE
+       SET fingerprint = EXCLUDED.fingerprint, state = 'processing',
+           lock_token = EXCLUDED.lock_token, lease_expires_at = EXCLUDED.lease_expires_at,
+           created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
+           completed_at = NULL, status_code = NULL, headers = NULL, body = NULL,
+           takeovers = r.takeovers + 1, recovery = EXCLUDED.recovery,
+           phases = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.phases END
+     WHERE r.expires_at <= now()
+        OR (r.state = 'processing' AND r.lease_expires_at <= now()
+            AND r.fingerprint = EXCLUDED.fingerprint)
+    RETURNING r.phases
+)
+SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb, NULL::bytea,
+       NULL::float8, NULL::float8, claimed.phases,
+       EXISTS (SELECT 1 FROM existing e WHERE e.state = 'processing' AND e.expires_at > now())
+  FROM claimed
+UNION ALL
+SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
+       extract(epoch FROM e.lease_expires_at - now())::float8,
+       extract(epoch FROM e.expires_at - now())::float8, NULL::jsonb, false
+  FROM existing e
+ WHERE NOT EXISTS (SELECT 1 FROM claimed)
+   AND e.expires_at > now()
+   AND NOT coalesce(e.state = 'processing' AND e.lease_expires_at <= now()
+                    AND e.fingerprint = $2, false)
+"""
+
+_CLAIM_PARAMS = ("key", "fp", "token", "lease", "ttl", "recovery")
+
+#: Planning the claim costs about twice its execution, so each connection prepares
+#: it once; later claims send only ``EXECUTE``. Still one round trip either way.
+PREPARE_CLAIM = (
+    "PREPARE idempotency_claim (bytea, bytea, bigint, float8, float8, bytea) AS"
+    + CLAIM_BODY
+    + ";\n"
+)
+#: A prepared statement's plan is cached for the connection's life. Left to
+#: itself PostgreSQL picks it from the table's size when it is first cached, and
+#: on an empty or tiny table (a fresh deployment, a table just purged) that is a
+#: sequential scan, which the connection would keep while the table grows. So
+#: the claim always gets one plan, built with sequential scans ruled out: the
+#: primary-key lookup at every size. ``SET LOCAL`` ends with the claim's own
+#: implicit transaction; the view's queries keep the session's settings.
+CLAIM_PLAN_SETTINGS = (
+    "SET LOCAL plan_cache_mode TO force_generic_plan;\nSET LOCAL enable_seqscan TO off;\n"
+)
+EXECUTE_CLAIM = (
+    CLAIM_PLAN_SETTINGS
+    + "EXECUTE idempotency_claim (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s, %(recovery)s)"
+)
+
+
+def _inline_parameters(sql: str) -> str:
+    """The claim with psycopg2 placeholders, for poolers that drop prepared statements."""
+    for number, name in reversed(list(enumerate(_CLAIM_PARAMS, start=1))):
+        sql = sql.replace(f"${number}", f"%({name})s")
+    return sql
+
+
+CLAIM = _inline_parameters(CLAIM_BODY)
+
+#: Prefix for the claim when ``async_claim_commit`` is on. Several statements in
+#: one simple query run as one implicit transaction, so SET LOCAL covers the claim
+#: alone, still in a single round trip; the business transaction commits durably.
+ASYNC_COMMIT_PREFIX = "SET LOCAL synchronous_commit TO off;\n"
+
+COMPLETE = "SELECT idempotency_complete(%s, %s::bigint, %s::smallint, %s::jsonb, %s)"
+
+#: ``claim_mode = "transaction"`` (migrations 0005 and 0007): the business
+#: transaction opens with the claim, under two advisory locks, in one round trip;
+#: the completed record is inserted by the view's own COMMIT. No processing row,
+#: no lease. Advisory locks and reads work on a read-only server (a hot standby,
+#: one with ``default_transaction_read_only``), so the claim function first
+#: checks ``transaction_read_only`` and raises SQLSTATE 25006 there, before
+#: anything is claimed or any view runs (a 503, and the connection is replaced),
+#: as the row-mode claim's INSERT does.
+CLAIM_IN_TRANSACTION = "BEGIN;\nSELECT * FROM idempotency_claim_in_transaction_rw(%s, %s, %s)"
+INSERT_COMPLETED = (
+    "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s);\nCOMMIT"
+)
+RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
+#: End our lease at once and keep the record (its lock token cleared): the release
+#: of a record that holds committed recovery points (migration 0006), and the
+#: completer's "cannot tell yet" hand-back. For the release:
+#: those phases' writes are committed, so the record is kept with them and only
+#: our lease ends, at once. The next identical request, or ``flask idempotency
+#: recover``, takes it over and resumes after the last phase instead of redoing it.
+END_LEASE = """
+UPDATE idempotency_records SET lock_token = NULL, lease_expires_at = now()
+ WHERE record_key = %s AND lock_token = %s AND state = 'processing'
+"""
+#: A recovery point (``phases.py``): the phase's writes and the record's progress
+#: commit together, fenced like the completion (``IK409`` once taken over).
+CHECKPOINT = "SELECT idempotency_checkpoint(%s, %s::bigint, %s, %s::jsonb)"
+
+#: Renew every in-flight lease of this process in one statement. A live record
+#: never expires under its holder: a view slower than its TTL would otherwise be
+#: taken over by any request (an expired record is absent) and deleted by purge.
+RENEW = """
+UPDATE idempotency_records AS r
+   SET lease_expires_at = now() + make_interval(secs => h.lease),
+       expires_at = greatest(r.expires_at, now() + make_interval(secs => h.lease))
+  FROM unnest(%s::bytea[], %s::bigint[], %s::float8[]) AS h(record_key, token, lease)
+ WHERE r.record_key = h.record_key AND r.lock_token = h.token AND r.state = 'processing'
+"""
+
+#: Purge in batches so no long lock is held; SKIP LOCKED lets a concurrent
+#: purge (or a takeover) proceed without waiting.
+PURGE_BATCH = """
+WITH doomed AS (
+    SELECT record_key FROM idempotency_records
+     WHERE expires_at <= now()
+     ORDER BY expires_at
+     LIMIT %s
+     FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_records r USING doomed
+ WHERE r.record_key = doomed.record_key
+RETURNING r.record_key
+"""
+COUNT_EXPIRED = "SELECT count(*) FROM idempotency_records WHERE expires_at <= now()"
+
+INFO = """
+SELECT state, created_at, expires_at, completed_at, lease_expires_at, status_code, body,
+       headers, extract(epoch FROM now() - created_at)::float8, expires_at <= now()
+  FROM idempotency_records WHERE record_key = %s
+"""
+#: Table-wide figures for ``flask idempotency stats``.
+STATS = """
+SELECT count(*) FILTER (WHERE state = 'processing' AND expires_at > now()),
+       count(*) FILTER (WHERE state = 'completed' AND expires_at > now()),
+       count(*) FILTER (WHERE expires_at <= now()),
+       count(*) FILTER (WHERE state = 'processing' AND lease_expires_at <= now()
+                        AND expires_at > now()),
+       coalesce(max(extract(epoch FROM now() - created_at))
+                FILTER (WHERE state = 'processing'), 0)::float8,
+       coalesce(sum(takeovers), 0)
+  FROM idempotency_records
+"""
+UNLOCK = "DELETE FROM idempotency_records WHERE record_key = %s AND state = 'processing'"
+
+
+# -- the completer (``completer.py``): abandoned attempts of ``recover=`` routes
+
+#: The pass's horizon, on the server's clock: records abandoned before it.
+PASS_CUTOFF = "SELECT now() - make_interval(secs => %s)"
+
+#: Take a batch of abandoned records over: each gets one of our lock tokens and a
+#: fresh lease, committed at once, so a client's retry now gets ``409`` and any
+#: late completion of the dead holder is refused. ``SKIP LOCKED``: completers
+#: running side by side take disjoint batches, and the lease is checked again
+#: under the row lock, so a record a client's retry just took is left alone.
+TAKE_OVER = """
+WITH candidates AS (
+    SELECT record_key, lease_expires_at FROM idempotency_records
+     WHERE state = 'processing' AND recovery IS NOT NULL
+       AND lease_expires_at <= %(cutoff)s AND expires_at > now()
+     ORDER BY lease_expires_at
+     LIMIT %(limit)s
+     FOR UPDATE SKIP LOCKED
+), numbered AS (
+    SELECT record_key, lease_expires_at, row_number() OVER () AS n FROM candidates
+)
+UPDATE idempotency_records AS r
+   SET lock_token = (%(tokens)s::bigint[])[numbered.n],
+       lease_expires_at = now() + make_interval(secs => %(lease)s),
+       expires_at = greatest(r.expires_at, now() + make_interval(secs => %(lease)s)),
+       takeovers = r.takeovers + 1
+  FROM numbered
+ WHERE r.record_key = numbered.record_key
+   AND r.state = 'processing' AND r.lease_expires_at <= now()
+RETURNING r.record_key, r.fingerprint, r.lock_token, r.recovery, r.phases,
+          extract(epoch FROM now() - numbered.lease_expires_at)::float8
+"""
+#: "Nothing happened" after committed recovery points: their writes stand, so the
+#: record stays for a client's retry to resume, and the completer stops trying it.
+RELEASE_TO_CLIENT = """
+UPDATE idempotency_records SET lock_token = NULL, lease_expires_at = now(), recovery = NULL
+ WHERE record_key = %s AND lock_token = %s AND state = 'processing'
+"""
+#: One more record the completer recovered or released, for ``stats``.
+BUMP_RECOVERY_TOTAL = """
+INSERT INTO idempotency_recovery_totals AS t (outcome, total, last_at)
+VALUES (%s, 1, now())
+ON CONFLICT (outcome) DO UPDATE SET total = t.total + 1, last_at = now()
+"""
+#: ``flask idempotency stats``: abandoned records now, and the completer's totals.
+RECOVERY_STATS = """
+SELECT count(*), count(*) FILTER (WHERE recovery IS NOT NULL),
+       coalesce(max(extract(epoch FROM now() - lease_expires_at)), 0)::float8,
+       (SELECT coalesce(sum(total) FILTER (WHERE outcome = 'recovered'), 0)
+          FROM idempotency_recovery_totals),
+       (SELECT coalesce(sum(total) FILTER (WHERE outcome = 'released'), 0)
+          FROM idempotency_recovery_totals)
+  FROM idempotency_records
+ WHERE state = 'processing' AND lease_expires_at <= now() AND expires_at > now()
+"""
+
+# -- the consumer guard (``events/consumer.py``): failed attempts of a message
+
+#: Counts the failed attempt (its lease ends now, the record stays, so the next
+#: delivery takes it over and ``takeovers`` grows) and says how many came before.
+FAIL_ATTEMPT = END_LEASE.rstrip() + "\nRETURNING takeovers\n"
+ATTEMPTS_SO_FAR = """
+SELECT takeovers FROM idempotency_records
+ WHERE record_key = %s AND lock_token = %s AND state = 'processing'
+"""
+
+
+def timeouts_sql(statement_timeout: float, lock_timeout: float) -> str:
+    """``SET LOCAL`` of both timeouts, sent first in the same round trip as each of the
+    extension's own statements: they end with that statement's transaction (for
+    the completion, with the view's, after the view's last statement)."""
+    statement_ms = max(1, round(statement_timeout * 1000))
+    lock_ms = max(1, round(lock_timeout * 1000)) if lock_timeout > 0 else 0
+    return f"SET LOCAL statement_timeout TO {statement_ms};\nSET LOCAL lock_timeout TO {lock_ms};\n"
+
+
+def new_token() -> int:
+    """A random positive 63-bit fencing token."""
+    return secrets.randbits(63) or 1
+
+
+def headers_from_json(raw: Any) -> tuple[tuple[str, str], ...]:
+    return tuple((str(k), str(v)) for k, v in (raw or ()))
+
+
+def response_params(response: StoredResponse) -> tuple[int, str, Any]:
+    """A stored answer as the completion statements take it: the status, the header
+    pairs as a JSON array of arrays (each statement casts it to jsonb), the body."""
+    return response.status, json.dumps(response.headers), psycopg2.Binary(response.body)
+
+
+def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:
+    """The request's and the key's advisory lock ids: signed 64-bit digests, so
+    distinct keys collide with odds of 2**-64 (and then only answer a spurious 409)."""
+    request = hashlib.sha256(record_key + b"\x00" + fingerprint).digest()
+    return (
+        int.from_bytes(request[:8], "big", signed=True),
+        int.from_bytes(record_key[:8], "big", signed=True),
+    )
