@@ -46,10 +46,10 @@ from typing import Any
 from flask import Flask, Response
 from werkzeug.exceptions import HTTPException
 
-from . import flow, keys, responses
+from . import engine, flow, keys
 from .errors import LeaseLost, StoreUnavailable
 from .recovery import Abandoned, recoverable_routes
-from .route_options import EffectiveOptions, RouteOptions
+from .route_options import RouteOptions
 from .state import RequestState, app_state, bound, unbind
 from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError, Taken
 from .store.request import PostgresRequest
@@ -213,7 +213,7 @@ class Recoverer:
                     tx.rollback()
                     return self._release(taken)
                 response = self.app.process_response(response)
-                return self._settle(taken, label, ctx.route, tx, response)
+                return self._settle(ctx, taken, label, response)
         finally:
             tx.close()
 
@@ -236,41 +236,29 @@ class Recoverer:
                 yield ctx
 
     def _settle(
-        self,
-        taken: Taken,
-        label: str,
-        route: EffectiveOptions,
-        tx: PostgresRequest,
-        response: Response,
+        self, ctx: RequestState, taken: Taken, label: str, response: Response
     ) -> RecoveryOutcome:
-        settings = self.state.settings
+        assert ctx.tx is not None
+        tx = ctx.tx
         try:
-            stored = responses.capture(
-                response, settings.max_stored_body, omit_oversize=route.oversize == "omit_body"
-            )
-        except responses.NotStorable:
-            log.error("idempotency recover: key %s: answer too large to store; handed back", label)
-            tx.rollback()
-            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
+            settlement, stored = engine.settle(ctx, response)
         finally:
             response.close()
-        if stored.status >= 500:
+        if stored is not None and stored.status >= 500:
             # The recovery could not tell (its processor is down, say). A client would
             # retry a 5xx; here the next pass does, so the record is handed back.
             tx.rollback()
             return self._hand_back(taken, RecoveryOutcome.DEFERRED)
-        settlement = flow.settle(
-            stored.status, len(stored.body), route.should_store, settings.max_stored_body
-        )
         if settlement is flow.Settlement.RELEASE:
             tx.rollback()
             return self._release(taken)
-        if settlement is flow.Settlement.TOO_LARGE:
+        if settlement is flow.Settlement.TOO_LARGE or stored is None:
+            log.error("idempotency recover: key %s: answer too large to store; handed back", label)
             tx.rollback()
             return self._hand_back(taken, RecoveryOutcome.DEFERRED)
         try:
             tx.count_recovered()
-            tx.complete(taken.record_key, taken.token, stored)
+            engine.complete(ctx, stored, release_on_failure=False)
         except LeaseLostError:
             log.warning("idempotency recover: key %s: taken over meanwhile; rolled back", label)
             return RecoveryOutcome.FENCED

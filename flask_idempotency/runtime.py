@@ -18,7 +18,7 @@ from typing import Any
 from flask import Flask, Request, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from . import flow, keys, recovery, responses
+from . import engine, flow, keys, recovery, responses
 from .errors import (
     IdempotencyError,
     KeyReused,
@@ -32,14 +32,11 @@ from .request_body import read_body
 from .route_options import RouteOptions
 from .state import RequestState, app_state, bind, request_state, unbind
 from .store.base import (
-    Claimed,
     Existing,
-    LeaseHold,
     LeaseLostError,
     StoredResponse,
     StoreUnavailableError,
 )
-from .store.request import PostgresRequest
 
 #: Methods that are idempotent already: the layer lets them through, key or not.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
@@ -119,11 +116,7 @@ def run_view(
         decision, existing = _claim(ctx, route.lease)
 
     if isinstance(decision, flow.Proceed):
-        ctx.token = decision.token
-        ctx.phases = dict(decision.phases)  # a dead holder's recovery points: resumed
         state.metrics.claimed(ctx)
-        if ctx.tx.holds_lease:
-            state.keeper.hold(LeaseHold(record_key, decision.token, route.lease))
         return _call_view(ctx, app, _sync(app, view, is_async), args, kwargs)
 
     ctx.tx.close()
@@ -171,27 +164,15 @@ def _in_progress(decision: flow.Decision) -> bool:
 
 
 def _claim(ctx: RequestState, lease: float) -> tuple[flow.Decision, Existing | None]:
-    assert ctx.tx is not None and ctx.record_key is not None
-    started = time.monotonic()
+    """The engine's claim, timed for the observers; a store failure is a 503."""
     with ctx.state.metrics.phase(PHASE_CLAIM, ctx) as phase:
         try:
-            result = ctx.tx.claim(
-                ctx.record_key,
-                ctx.fingerprint,
-                lease=lease,
-                ttl=ctx.route.ttl,
-                recovery=ctx.recovery,
-            )
+            decision, existing = engine.claim(ctx, lease, recovery=ctx.recovery)
         except StoreUnavailableError as exc:
-            ctx.claim_seconds += time.monotonic() - started
             record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
             raise StoreUnavailable(retry_after=ctx.state.settings.retry_after) from exc
-        decision = flow.decide(result, ctx.fingerprint)
-        ctx.takeover = isinstance(result, Claimed) and result.takeover
         phase.decided(decision, ctx.takeover)
-    ctx.claimed_at = started
-    ctx.claim_seconds += time.monotonic() - started
-    return decision, result if isinstance(result, Existing) else None
+    return decision, existing
 
 
 def record(
@@ -225,19 +206,10 @@ def _replay(ctx: RequestState, stored: StoredResponse, source: str) -> Response:
     return answer
 
 
-def release(ctx: RequestState) -> None:
+def release(ctx: RequestState, status: int | None = None) -> None:
     """Roll back the attempt and give up its claim (or its keyless transaction) once."""
-    if ctx.settled:
-        return
-    ctx.settled = True
-    if ctx.tx is None:
-        return
-    if ctx.record_key is None or ctx.token is None:
-        ctx.tx.rollback()
-        return
-    ctx.state.keeper.drop(ctx.record_key, ctx.token)
-    record(ctx, RequestOutcome.RELEASED)
-    ctx.tx.release(ctx.record_key, ctx.token)
+    if engine.release(ctx):
+        record(ctx, RequestOutcome.RELEASED, status=status)
 
 
 def after_request(response: Response) -> Response:
@@ -268,7 +240,7 @@ def _settle(ctx: RequestState, response: Response) -> Response:
         return response
     if ctx.token is None or ctx.tx is None:
         return response
-    return _settle_claim(ctx, ctx.tx, ctx.record_key, ctx.token, response)
+    return _settle_claim(ctx, response)
 
 
 def _settle_keyless(ctx: RequestState, response: Response) -> Response:
@@ -288,64 +260,42 @@ def _settle_keyless(ctx: RequestState, response: Response) -> Response:
     return response
 
 
-def _settle_claim(
-    ctx: RequestState, tx: PostgresRequest, record_key: bytes, token: int, response: Response
-) -> Response:
+def _settle_claim(ctx: RequestState, response: Response) -> Response:
     state = ctx.state
+    assert ctx.record_key is not None
     try:
-        stored = responses.capture(
-            response,
-            state.settings.max_stored_body,
-            omit_oversize=ctx.route.oversize == "omit_body",
-        )
-    except responses.NotStorable:
-        stored = None
+        settlement, stored = engine.settle(ctx, response)
     except BaseException:
         # A streamed body that failed while it was read: as if the view raised.
         ctx.raised = True
         release(ctx)
         raise
-    ctx.settled = True
-    state.keeper.drop(record_key, token)
-    if stored is None:
-        settlement = flow.Settlement.TOO_LARGE
-    else:
-        settlement = flow.settle(
-            stored.status, len(stored.body), ctx.route.should_store, state.settings.max_stored_body
-        )
-
     if settlement is flow.Settlement.RELEASE:
-        record(ctx, RequestOutcome.RELEASED, status=response.status_code)
-        tx.release(record_key, token)
+        release(ctx, status=response.status_code)
         if not ctx.own_error:
             responses.mark_original(response, state.profile)
         return response
     if settlement is flow.Settlement.TOO_LARGE or stored is None:
         too_large = ResponseTooLarge()
         record(ctx, RequestOutcome.NOT_STORABLE, status=too_large.code, error=too_large)
-        tx.release(record_key, token)
+        engine.release(ctx)
         response.close()
         return _error_response(too_large)
 
-    started = time.monotonic()
     try:
         with state.metrics.phase(PHASE_COMPLETE, ctx, status=stored.status):
-            tx.complete(record_key, token, stored)
+            engine.complete(ctx, stored)
     except LeaseLostError:
-        ctx.completion_seconds = time.monotonic() - started
         record(ctx, RequestOutcome.LEASE_LOST, status=LeaseLost.code)
         return _error_response(LeaseLost(retry_after=state.settings.retry_after))
     except StoreUnavailableError as exc:
-        ctx.completion_seconds = time.monotonic() - started
-        tx.release(record_key, token)
         record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
         return _error_response(StoreUnavailable(retry_after=state.settings.retry_after))
-    ctx.completion_seconds = time.monotonic() - started
     record(ctx, RequestOutcome.EXECUTED, status=stored.status)
     if state.settings.redis_fill == "completion":
         # (With "replay" the copy is made by the first replay from PostgreSQL.)
         remaining = ctx.route.ttl - (time.monotonic() - ctx.claimed_at)
-        state.cache.put(record_key, ctx.fingerprint, stored, remaining)
+        state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
     responses.mark_original(response, state.profile)
     return response
 

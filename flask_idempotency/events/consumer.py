@@ -54,10 +54,10 @@ from typing import Any
 
 from flask import Flask, current_app
 
-from .. import flow, keys
+from .. import engine, flow, keys
 from ..route_options import route_options
-from ..state import RequestState, app_state, bind, unbind
-from ..store.base import LeaseHold, LeaseLostError, StoredResponse, StoreUnavailableError
+from ..state import RequestState, app_state, bound
+from ..store.base import LeaseLostError, StoredResponse, StoreUnavailableError
 
 log = logging.getLogger("flask_idempotency.events")
 
@@ -275,15 +275,14 @@ class ConsumerGuard:
         if not key:
             return self._dead_letter_unclaimed(delivery, "missing_key", dead_letter)
         record_key = self.record_key(str(key))
-        fingerprint = delivery.fingerprint()
-        tx = state.store.begin()
+        ctx = RequestState(state, record_key, delivery.fingerprint(), route)
+        ctx.tx = tx = state.store.begin()
         try:
             try:
-                claim = tx.claim(record_key, fingerprint, lease=route.lease, ttl=route.ttl)
+                decision, existing = engine.claim(ctx, route.lease)
             except StoreUnavailableError as exc:
                 log.warning("consumer %s: store unavailable: %s", self.options.name, exc)
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
-            decision = flow.decide(claim, fingerprint)
             if isinstance(decision, flow.Replay):
                 return Result(ConsumerOutcome.DUPLICATE)
             if isinstance(decision, flow.Reject):
@@ -294,36 +293,24 @@ class ConsumerGuard:
                         keys.log_key(record_key),
                     )
                     return self._dead_letter_unclaimed(delivery, "key_reused", dead_letter)
-                lease_left = getattr(claim, "lease_remaining", None) or 0.0
+                lease_left = (existing.lease_remaining if existing is not None else None) or 0.0
                 delay = min(self.options.busy_delay, max(lease_left, 0.0)) or 0.05
                 return Result(ConsumerOutcome.BUSY, delay, "in_progress")
             token = decision.token
-            state.keeper.hold(LeaseHold(record_key, token, route.lease))
-            bind(
-                RequestState(
-                    state=state,
-                    record_key=record_key,
-                    fingerprint=fingerprint,
-                    route=route,
-                    tx=tx,
-                    token=token,
-                )
-            )
+            with bound(ctx):
+                try:
+                    self.handler(delivery)
+                except Exception as exc:
+                    state.keeper.drop(record_key, token)
+                    tx.rollback()
+                    return self._failed(state, tx, delivery, record_key, token, exc, dead_letter)
+                except BaseException:
+                    # Interrupted (SIGTERM, Ctrl-C): not an attempt; the message is
+                    # redelivered when the channel closes.
+                    engine.release(ctx)
+                    raise
             try:
-                self.handler(delivery)
-            except Exception as exc:
-                state.keeper.drop(record_key, token)
-                tx.rollback()
-                return self._failed(state, tx, delivery, record_key, token, exc, dead_letter)
-            except BaseException:
-                # Interrupted (SIGTERM, Ctrl-C): not an attempt; the message is
-                # redelivered when the channel closes.
-                state.keeper.drop(record_key, token)
-                tx.release(record_key, token)
-                raise
-            state.keeper.drop(record_key, token)
-            try:
-                tx.complete(record_key, token, HANDLED_RECORD)
+                engine.complete(ctx, HANDLED_RECORD)
             except LeaseLostError:
                 log.warning(
                     "consumer %s: lease lost for key %s; this attempt was rolled back",
@@ -333,11 +320,9 @@ class ConsumerGuard:
                 return Result(ConsumerOutcome.FENCED, reason="lease_lost")
             except StoreUnavailableError as exc:
                 log.warning("consumer %s: completion failed: %s", self.options.name, exc)
-                tx.release(record_key, token)
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
             return Result(ConsumerOutcome.HANDLED)
         finally:
-            unbind()
             tx.close()
 
     def _failed(
