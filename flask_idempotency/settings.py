@@ -77,8 +77,8 @@ class Settings:
     #: ``IDEMPOTENCY_MAX_STORED_BODY``: largest response body stored, bytes.
     max_stored_body: int = 1024 * 1024
     #: ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT``: commit the claim with
-    #: ``synchronous_commit = off``, saving one WAL flush per first request (about
-    #: 0.2 ms here). Safe (see README "Durability"): the claim is visible to other
+    #: ``synchronous_commit = off``, saving one WAL flush per first request (the
+    #: benchmarks measure it). Safe: the claim is visible to other
     #: sessions at once, and the business transaction's durable commit flushes it;
     #: a claim lost in a database crash only re-opens a key whose holder's
     #: connection died with the crash, and whose completion therefore fails.
@@ -130,7 +130,7 @@ class Settings:
     #: ``IDEMPOTENCY_EXPOSE_HEADERS``: name the extension's response headers in
     #: ``Access-Control-Expose-Headers`` so browsers' scripts can read them (CORS).
     expose_headers: bool = False
-    #: ``IDEMPOTENCY_CLAIM_MODE``: how a key is claimed (README "Claim modes").
+    #: ``IDEMPOTENCY_CLAIM_MODE``: how a key is claimed (the docs' "how it works" page).
     #: ``"row"``: a processing row committed on its own, kept alive by a lease;
     #: visible to ``stats``/``unlock``, no transaction open while the view waits on
     #: others. ``"transaction"``: the view's transaction opens with the claim under

@@ -1,9 +1,9 @@
 """Redis commands sent on one connection per thread: the cache's hot path.
 
-``redis.Redis.get`` costs about 60 µs of CPU per call on our benchmark machine.
-Most of that is the pool checkout and release, the retry wrapper and the
-observability hooks around a 20 µs exchange. A replay served from Redis costs
-about one of those calls, so for the clients the extension builds itself (from
+Most of the CPU ``redis.Redis.get`` spends per call is the pool checkout and
+release, the retry wrapper and the observability hooks around the exchange
+itself (``benchmarks/`` measures it). A replay served from Redis costs about
+one such call, so for the clients the extension builds itself (from
 ``IDEMPOTENCY_REDIS_URL``) each thread keeps one connection of its own. It is
 made by the client's pool's connection class with the pool's options: same
 address, database, credentials, TLS, timeouts and handshake. The command is

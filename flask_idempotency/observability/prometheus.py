@@ -29,20 +29,15 @@ per ``table_stats_interval`` however often it is scraped.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
 import threading
-import time
 import weakref
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, Response, request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -55,15 +50,16 @@ from ..observer import (
     RequestOutcome,
 )
 from ..state import app_state
-from ..store.base import StoreUnavailableError
 from . import attach
+from .table_stats import DEFAULT_TABLE_STATS_INTERVAL as DEFAULT_TABLE_STATS_INTERVAL
+from .table_stats import MULTIPROC_ENV as MULTIPROC_ENV
+from .table_stats import PREFIX as PREFIX
+from .table_stats import TableStatsCollector as TableStatsCollector
 
 if TYPE_CHECKING:
-    from ..store.postgres import PostgresStore
+    pass
 
 log = logging.getLogger("flask_idempotency.observability")
-
-PREFIX = "flask_idempotency"
 
 #: From a prepared claim on a local server (a few hundred microseconds) to the
 #: statement timeout (5 s by default) and beyond.
@@ -71,11 +67,6 @@ LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 
-#: The variable prometheus-client's multiprocess mode reads (set by gunicorn.conf.py).
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-#: Typical scrape interval: the table-wide collector queries at most this often.
-DEFAULT_TABLE_STATS_INTERVAL = 15.0
 
 
 def multiprocess_mode() -> bool:
@@ -357,156 +348,3 @@ def _is_idempotent(view: Any) -> bool:
             return True
         view = getattr(view, "__wrapped__", None)
     return False
-
-
-#: ``store.stats()`` figures and the gauges they become.
-_RECORD_STATES = ("processing", "completed", "expired")
-_TABLE_GAUGES = (
-    (
-        "records_lease_expired",
-        "Processing records whose lease expired and that nobody took over (stuck)",
-        "lease_expired",
-    ),
-    (
-        "oldest_processing_age_seconds",
-        "Age of the oldest processing record",
-        "oldest_processing_seconds",
-    ),
-    (
-        "records_takeovers",
-        "Takeovers counted on the records still in the table",
-        "takeovers",
-    ),
-    (
-        "records_recoverable",
-        "Abandoned records (holder dead, lease ended) of routes that declare recover=",
-        "recoverable",
-    ),
-    (
-        "oldest_abandoned_age_seconds",
-        "How long the oldest abandoned record's lease has been over",
-        "oldest_abandoned_seconds",
-    ),
-)
-#: ``flask idempotency recover``'s totals (kept in PostgreSQL, so one figure for every
-#: process and host): counters, since they only grow.
-_TABLE_COUNTERS = (
-    (
-        "recovered_records",
-        "Abandoned records flask idempotency recover finished with their recovered answer",
-        "recovered",
-    ),
-    (
-        "recovery_released_records",
-        "Abandoned records flask idempotency recover released (nothing had happened)",
-        "recovery_released",
-    ),
-)
-
-
-class TableStatsCollector:
-    """The table-wide figures of ``flask idempotency stats`` as gauges.
-
-    A scrape that comes less than ``interval`` seconds after the last query gets
-    that query's figures. In multiprocess mode the figures are shared through a
-    file in ``PROMETHEUS_MULTIPROC_DIR`` under an exclusive lock, so however many
-    workers answer scrapes, PostgreSQL is asked at most once per interval. If it
-    does not answer, ``flask_idempotency_table_stats_up`` is 0 (and the failure is
-    remembered for the interval too: an outage is not hammered by scrapes).
-    """
-
-    def __init__(
-        self,
-        store: PostgresStore,
-        *,
-        interval: float = DEFAULT_TABLE_STATS_INTERVAL,
-        shared_dir: str | None = None,
-        clock: Any = time.time,
-    ) -> None:
-        self.store = store
-        self.interval = interval
-        self.clock = clock
-        directory = shared_dir if shared_dir is not None else os.environ.get(MULTIPROC_ENV)
-        self._shared = Path(directory) / "flask_idempotency_table_stats.json" if directory else None
-        self._lock = threading.Lock()
-        self._cached: tuple[float, dict[str, float] | None] | None = None
-        #: Queries run by this collector (for tests and the curious).
-        self.queries = 0
-
-    def describe(self) -> list[Metric]:
-        """The families, without querying (a registry asks when it registers us)."""
-        return list(self._families(None))
-
-    def collect(self) -> Iterator[Metric]:
-        return self._families(self.figures())
-
-    def _families(self, figures: dict[str, float] | None) -> Iterator[Metric]:
-        yield GaugeMetricFamily(
-            f"{PREFIX}_table_stats_up",
-            "1 if the last query of the table-wide figures succeeded",
-            value=1 if figures is not None else 0,
-        )
-        records = GaugeMetricFamily(
-            f"{PREFIX}_records",
-            "Idempotency records by state (expired: past their TTL, awaiting purge)",
-            labels=["state"],
-        )
-        if figures is not None:
-            for state in _RECORD_STATES:
-                records.add_metric([state], figures.get(state, 0.0))
-        yield records
-        for name, doc, figure in _TABLE_GAUGES:
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
-            if figures is not None:
-                family.add_metric([], figures.get(figure, 0.0))
-            yield family
-        for name, doc, figure in _TABLE_COUNTERS:
-            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc)
-            if figures is not None:
-                counter.add_metric([], figures.get(figure, 0.0))
-            yield counter
-
-    def figures(self) -> dict[str, float] | None:
-        """The latest figures (``None``: PostgreSQL did not answer), queried only if
-        the cached ones are older than ``interval``."""
-        with self._lock:
-            now = self.clock()
-            if self._cached is not None and now - self._cached[0] < self.interval:
-                return self._cached[1]
-            if self._shared is None:
-                figures = self._query()
-                at = now
-            else:
-                at, figures = self._shared_figures(now)
-            self._cached = (at, figures)
-            return figures
-
-    def _query(self) -> dict[str, float] | None:
-        from .. import completer  # imports the extension's parts; not at module load
-
-        self.queries += 1
-        try:
-            figures = self.store.stats()
-            figures.update(completer.stats(self.store))
-            return figures
-        except StoreUnavailableError as exc:
-            log.warning("idempotency: table stats unavailable: %s", exc)
-            return None
-
-    def _shared_figures(self, now: float) -> tuple[float, dict[str, float] | None]:
-        assert self._shared is not None
-        lock_path = self._shared.with_suffix(".lock")
-        with open(lock_path, "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one worker queries, the others wait and read
-            try:
-                cached = json.loads(self._shared.read_text())
-                at, figures = float(cached["at"]), cached["figures"]
-                if now - at < self.interval:
-                    return at, figures
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-            figures = self._query()
-            tmp = self._shared.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"at": now, "figures": figures}))
-            tmp.replace(self._shared)
-            return now, figures

@@ -140,18 +140,6 @@ def janitor(server: Any, dbname: str, template: str | None = None) -> Any:
     return DatabaseJanitor(**kwargs)
 
 
-def database_exists(server: Any, dbname: str, maintenance_dsn: str) -> bool:
-    import psycopg2
-
-    conn = psycopg2.connect(maintenance_dsn)
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,))
-            return cur.fetchone() is not None
-    finally:
-        conn.close()
-
-
 @dataclass(frozen=True)
 class IdempotencyDatabase:
     """A database of the test's own, with the extension's tables.
