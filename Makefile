@@ -59,6 +59,7 @@ test-topologies: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 run: venv
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app

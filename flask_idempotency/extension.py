@@ -247,3 +247,28 @@ class Idempotency:
             stacklevel=2,
         )
         return app_state()
+
+
+#: Names this module had before the state moved to ``state.py``: old -> new home.
+_MOVED = {
+    "EXTENSION_KEY": ("flask_idempotency.state", "EXTENSION_KEY"),
+    "IdempotencyState": ("flask_idempotency.state", "AppState"),
+    "RequestState": ("flask_idempotency.state", "RequestState"),
+    "RouteDecorator": ("flask_idempotency.decorators", "RouteDecorator"),
+    "SAFE_METHODS": ("flask_idempotency.runtime", "SAFE_METHODS"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Old names keep working for one release, with a ``DeprecationWarning``."""
+    moved = _MOVED.get(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, new = moved
+    warnings.warn(
+        f"flask_idempotency.extension.{name} is now {module}.{new}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), new)
+

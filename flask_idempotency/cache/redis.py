@@ -36,7 +36,7 @@ import redis.connection
 import redis.exceptions
 import redis.retry
 
-from ..keys import log_key
+from ..digests import log_key
 from ..observer import Observer
 from ..settings import Settings
 from ..store.base import StoredResponse

@@ -157,12 +157,10 @@ class TableStatsCollector:
             return figures
 
     def _query(self) -> dict[str, float] | None:
-        from .. import completer  # imports the extension's parts; not at module load
-
         self.queries += 1
         try:
             figures = self.store.stats()
-            figures.update(completer.stats(self.store))
+            figures.update(self.store.recovery_stats())
             return figures
         except StoreUnavailableError as exc:
             log.warning("idempotency: table stats unavailable: %s", exc)

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 from contextvars import ContextVar, Token
+from importlib.metadata import PackageNotFoundError, version
 
 from flask import Flask
 from opentelemetry import context, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
-from .. import __version__
 from ..observer import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, Attributes, Observer, RequestEvent
 from . import attach
 
@@ -51,6 +51,14 @@ SPAN_NAMES = {
 #: The span that was current when our outermost phase began: the request's, which
 #: gets the outcome even when the outcome is decided inside a phase.
 _request_span: ContextVar[Span | None] = ContextVar("flask_idempotency_request_span", default=None)
+
+
+def _version() -> str | None:
+    """The installed release, for the tracer's instrumentation scope."""
+    try:
+        return version("flask-idempotency")
+    except PackageNotFoundError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +77,7 @@ class OpenTelemetryTracing(Observer):
         self, app: Flask | None = None, *, tracer_provider: TracerProvider | None = None
     ) -> None:
         self._tracer = trace.get_tracer(
-            "flask_idempotency", __version__, tracer_provider=tracer_provider
+            "flask_idempotency", _version(), tracer_provider=tracer_provider
         )
         if app is not None:
             self.init_app(app)

@@ -1,0 +1,143 @@
+"""The package's public names, its import cost and its old import paths.
+
+The names below are what applications import; a change to them is a change of
+the public API and must be made here on purpose (and in the changelog).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+PUBLIC = {
+    "flask_idempotency": [
+        "Abandoned",
+        "EXPOSED_HEADERS",
+        "Idempotency",
+        "IdempotencyError",
+        "InvalidKey",
+        "KeyReused",
+        "LeaseLost",
+        "MalformedBody",
+        "MissingKey",
+        "NOT_STORED_STATUSES",
+        "RequestInProgress",
+        "ResponseTooLarge",
+        "ScopeUnavailable",
+        "Settings",
+        "StoreUnavailable",
+        "authorization_scope",
+        "default_scope",
+        "default_should_store",
+        "global_scope",
+        "user_scope",
+    ],
+    "flask_idempotency.events": [
+        "BrokerUnavailable",
+        "ConsumerGuard",
+        "ConsumerOutcome",
+        "ConsumerWorker",
+        "Delivery",
+        "EmbeddedEvents",
+        "OutboxEvent",
+        "Publisher",
+        "Relay",
+        "RelayStats",
+        "Result",
+        "Subscription",
+    ],
+    "flask_idempotency.observability": [
+        "PHASE_CLAIM",
+        "PHASE_COMPLETE",
+        "PHASE_REPLAY",
+        "AttributeValue",
+        "Attributes",
+        "Observer",
+        "Outcome",
+        "RequestEvent",
+        "RequestOutcome",
+        "attach",
+        "scope_digest",
+    ],
+    "flask_idempotency.testing": [
+        "Answer",
+        "IdempotencyDatabase",
+        "IdempotencyReport",
+        "LiveServer",
+        "assert_idempotent",
+        "serve_app",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_public_names_are_pinned(module: str) -> None:
+    imported = importlib.import_module(module)
+    assert sorted(imported.__all__) == sorted(PUBLIC[module])
+    for name in imported.__all__:
+        getattr(imported, name)  # every listed name resolves
+
+
+def test_importing_the_package_loads_no_cli_completer_or_broker_module() -> None:
+    """A web worker imports the extension; the CLI, the completer, the relay, the
+    consumer and the broker client load only when something uses them."""
+    code = (
+        "import json, sys, flask_idempotency;"
+        "print(json.dumps(sorted(m for m in sys.modules"
+        " if m.startswith(('flask_idempotency', 'kombu', 'amqp', 'click_')))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    loaded = set(json.loads(out))
+    unwanted = {
+        "flask_idempotency.cli",
+        "flask_idempotency.completer",
+        "flask_idempotency.events.amqp",
+        "flask_idempotency.events.commands",
+        "flask_idempotency.events.consumer",
+        "flask_idempotency.events.embedded",
+        "flask_idempotency.events.relay",
+        "kombu",
+        "amqp",
+    }
+    assert loaded & unwanted == set(), sorted(loaded & unwanted)
+    assert "flask_idempotency.runtime" in loaded  # the sanity check: it did import
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("flask_idempotency.events", "Outcome", "ConsumerOutcome"),
+        ("flask_idempotency.extension", "IdempotencyState", "AppState"),
+        ("flask_idempotency.extension", "RequestState", "RequestState"),
+        ("flask_idempotency.extension", "EXTENSION_KEY", "EXTENSION_KEY"),
+    ],
+)
+def test_old_import_paths_work_with_a_warning(module: str, old: str, new: str) -> None:
+    imported = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=new):
+        value = getattr(imported, old)
+    assert value is not None
+
+
+def test_the_state_property_is_deprecated_for_ping() -> None:
+    from flask import Flask
+
+    from flask_idempotency import Idempotency
+
+    app = Flask(__name__)
+    app.config["IDEMPOTENCY_DATABASE_URL"] = "postgresql://127.0.0.1:9/none"
+    idempotency = Idempotency(app)
+    try:
+        with app.app_context(), pytest.warns(DeprecationWarning, match="ping"):
+            idempotency.state  # noqa: B018
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            app.extensions["idempotency"].close()
