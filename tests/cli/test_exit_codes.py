@@ -74,4 +74,3 @@ def test_every_command_shows_an_example_in_its_help(cli_app: Flask) -> None:
         assert "Example" in result.output, command
         assert "flask --app example_app idempotency" in result.output, command
     assert "Exit status" in run(cli_app, "--help").output
-

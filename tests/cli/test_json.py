@@ -1,4 +1,4 @@
-"""``show --json`` and ``stats --json``: one document, the prose's fields, nothing else on stdout."""
+"""``show --json`` and ``stats --json``: one document with the prose's fields, alone on stdout."""
 
 from __future__ import annotations
 
