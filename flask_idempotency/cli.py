@@ -28,7 +28,7 @@ from .events.commands import relay
 from .keys import parse_key, record_key
 from .store.base import RecordInfo, StoreUnavailableError
 
-EXIT_STATUS = """\b
+GROUP_EPILOG = """\b
 Example:
   flask --app example_app idempotency stats --json
 
@@ -44,7 +44,7 @@ group = AppGroup(
     "idempotency",
     help="Maintain the idempotency records: migrate, purge, inspect, unlock, recover, "
     "relay events.",
-    epilog=EXIT_STATUS,
+    epilog=GROUP_EPILOG,
 )
 group.add_command(relay)
 
