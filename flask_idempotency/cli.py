@@ -1,23 +1,52 @@
-"""``flask idempotency ...``: thin commands over the store's maintenance methods."""
+"""``flask idempotency ...``: thin commands over the store's maintenance methods.
+
+How they talk to an operator lives in small modules of its own: progress
+(``cli_progress``), stopping between batches (``cli_stop``), prose or JSON
+(``cli_output``) and confirmation (``cli_confirm``).
+
+Exit status, stable for scripts: 0 done; 1 failed (store unreachable, no such
+record, a "no" at a prompt); 2 usage (bad option, or ``--yes`` missing where a
+script must give it); 130 / 143 stopped between batches by SIGINT / SIGTERM.
+"""
 
 from __future__ import annotations
 
-import json
-import signal
-import threading
+from datetime import timedelta
+from typing import Any
 
 import click
 from flask import current_app, request
 from flask.cli import AppGroup
 
 from . import completer, keys
+from .cli_confirm import confirm, yes_option
+from .cli_output import echo_document, json_option
+from .cli_progress import Progress, interval_option
+from .cli_stop import exit_interrupted, stop_on_signals
 from .events import outbox
 from .events.commands import relay
 from .keys import parse_key, record_key
 from .state import AppState, app_state
-from .store.base import StoreUnavailableError
+from .store.base import RecordInfo, StoreUnavailableError
 
-group = AppGroup("idempotency", help="Maintain the idempotency records.")
+GROUP_EPILOG = """\b
+Example:
+  flask --app example_app idempotency stats --json
+
+\b
+Exit status:
+  0    done
+  1    failed: store unreachable, no such record, "no" at a prompt
+  2    usage: a bad option, or --yes missing where a script must give it
+  130  stopped between batches by Ctrl-C (143: by SIGTERM)
+"""
+
+group = AppGroup(
+    "idempotency",
+    help="Maintain the idempotency records: migrate, purge, inspect, unlock, recover, "
+    "relay events.",
+    epilog=GROUP_EPILOG,
+)
 group.add_command(relay)
 
 
@@ -109,9 +138,18 @@ header_option = click.option(
 )
 
 
-@group.command()
+@group.command(
+    epilog="""\b
+Example:
+  flask --app example_app idempotency migrate
+"""
+)
 def migrate() -> None:
-    """Create or upgrade the tables (safe to run from several processes at once)."""
+    """Create or upgrade the tables (safe to run from several processes at once).
+
+    Every missing migration is applied in one transaction under an advisory
+    lock: an interrupted run applies none of them, and the next run starts over.
+    """
     state = _state()
     try:
         applied = state.store.migrate(state.settings.migration_dirs)
@@ -122,45 +160,142 @@ def migrate() -> None:
     click.echo(f"{len(applied)} migration(s) applied; schema is up to date")
 
 
-@group.command()
-@click.option("--dry-run", is_flag=True, help="Only count the expired records.")
-@click.option("--batch-size", default=1000, show_default=True, type=click.IntRange(min=1))
-def purge(dry_run: bool, batch_size: int) -> None:
-    """Delete records older than their TTL, in batches (no long lock)."""
+@group.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency purge --dry-run   # count only
+  flask --app example_app idempotency purge             # says what it will delete, asks
+  flask --app example_app idempotency purge --yes --batch-size 5000
+  # crontab: no question off a terminal; a progress line every 60 s
+  0 3 * * * flask --app example_app idempotency purge --progress-interval 60
+"""
+)
+@click.option("--dry-run", is_flag=True, help="Only count the expired records and events.")
+@click.option(
+    "--batch-size",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Rows deleted per transaction.",
+)
+@yes_option
+@interval_option
+def purge(dry_run: bool, batch_size: int, yes: bool, progress_interval: float) -> None:
+    """Delete records past their TTL, and published events past theirs, in batches.
+
+    Each batch is its own short transaction (no long lock; purges running side
+    by side skip each other's rows) and its keys leave the Redis cache too. On a
+    terminal it first says how many rows it will delete and asks (--yes to
+    skip); off a terminal (cron) it goes ahead. Progress goes to standard error,
+    the totals to standard output. Ctrl-C stops between batches (exit 130).
+    """
     state = _state()
     try:
-        if dry_run:
-            click.echo(f"{state.store.count_expired()} expired record(s) would be deleted")
-            expired_events = outbox.count_expired(state.store)
-            if expired_events:
-                click.echo(f"{expired_events} published event(s) would be deleted")
-            return
-        deleted = 0
-        for keys in state.store.purge(batch_size):
-            state.cache.evict(keys)
-            deleted += len(keys)
-        events = outbox.purge(state.store, batch_size)
+        records = state.store.count_expired()
+        events = outbox.count_expired(state.store)
     except StoreUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"{deleted} expired record(s) deleted")
-    if events:
-        click.echo(f"{events} published event(s) deleted")
+    if dry_run:
+        click.echo(f"{records} expired record(s) would be deleted")
+        if events:
+            click.echo(f"{events} published event(s) would be deleted")
+        return
+    if records or events:
+        confirm(
+            f"{records} expired record(s) and {events} published event(s) will be deleted, "
+            f"{batch_size} per transaction.",
+            "Delete them?",
+            yes=yes,
+        )
+    deleted_records = deleted_events = 0
+    with stop_on_signals() as stop:
+        try:
+            if records:
+                with Progress(
+                    "deleting expired records", total=records, interval=progress_interval
+                ) as progress:
+                    for batch in state.store.purge(batch_size):
+                        state.cache.evict(batch)
+                        deleted_records += len(batch)
+                        progress.advance(len(batch))
+                        if stop.is_set():
+                            break
+            if events and not stop.is_set():
+                with Progress(
+                    "deleting published events", total=events, interval=progress_interval
+                ) as progress:
+                    for count in outbox.purge_batches(state.store, batch_size):
+                        deleted_events += count
+                        progress.advance(count)
+                        if stop.is_set():
+                            break
+        except StoreUnavailableError as exc:
+            raise click.ClickException(
+                f"{exc} (after deleting {deleted_records} record(s) and {deleted_events} event(s))"
+            ) from exc
+    click.echo(f"{deleted_records} expired record(s) deleted")
+    if deleted_events:
+        click.echo(f"{deleted_events} published event(s) deleted")
+    if stop.is_set():
+        exit_interrupted(stop, f"{deleted_records} record(s) and {deleted_events} event(s)")
 
 
-@group.command()
+def _lease_live(info: RecordInfo) -> float | None:
+    """Seconds left on an in-flight record's lease, or None if it has ended.
+
+    The lease is compared with the server's clock, never this machine's:
+    ``created_at + age_seconds`` is the server's ``now()`` when it was read.
+    """
+    if info.state != "processing" or info.lease_expires_at is None:
+        return None
+    server_now = info.created_at + timedelta(seconds=info.age_seconds)
+    left = (info.lease_expires_at - server_now).total_seconds()
+    return left if left > 0 else None
+
+
+def _record_fields(rkey: bytes, info: RecordInfo) -> dict[str, Any]:
+    lease_left = _lease_live(info)
+    return {
+        "record": keys.log_key(rkey),
+        "state": info.state,
+        "expired": info.expired,
+        "lease_live": lease_left is not None,
+        "age_seconds": round(info.age_seconds, 3),
+        "created_at": info.created_at.isoformat(),
+        "expires_at": info.expires_at.isoformat(),
+        "completed_at": info.completed_at.isoformat() if info.completed_at else None,
+        "lease_expires_at": info.lease_expires_at.isoformat() if info.lease_expires_at else None,
+        "status": info.status,
+    }
+
+
+@group.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency show order-1 --authorization 'Bearer sk_test_1'
+  flask --app example_app idempotency show order-1 --scope user:42 --json | jq .state
+"""
+)
 @click.argument("key")
 @scope_option
 @authorization_option
 @header_option
-@click.option("--body", "show_body", is_flag=True, help="Also print the stored body.")
+@click.option("--body", "show_body", is_flag=True, help="Also print the stored headers and body.")
+@json_option
 def show(
     key: str,
     scope: str | None,
     authorization: str | None,
     headers: tuple[str, ...],
     show_body: bool,
+    as_json: bool,
 ) -> None:
-    """Show one record: state, ages, status code."""
+    """Show one record: state, lease, ages, status code.
+
+    KEY is the client's Idempotency-Key; the record is found in the scope the
+    app's scope function computes from --authorization / --header, or in
+    --scope. Exit 1 when there is no record.
+    """
     state = _state()
     rkey = _record_key(key, scope, authorization, headers)
     try:
@@ -169,25 +304,22 @@ def show(
         raise click.ClickException(str(exc)) from exc
     if info is None:
         raise click.ClickException("no record for that key and scope")
-    lines = {
-        "state": info.state + (" (expired)" if info.expired else ""),
-        "age_seconds": round(info.age_seconds, 3),
-        "created_at": info.created_at.isoformat(),
-        "expires_at": info.expires_at.isoformat(),
-        "completed_at": info.completed_at.isoformat() if info.completed_at else None,
-        "lease_expires_at": info.lease_expires_at.isoformat() if info.lease_expires_at else None,
-        "status": info.status,
-    }
-    for name, value in lines.items():
-        click.echo(f"{name}: {value}")
+    fields = _record_fields(rkey, info)
     if show_body:
-        click.echo("headers: " + json.dumps([list(h) for h in info.headers]))
-        body = info.body or b""
-        click.echo("body: " + body.decode("utf-8", "replace"))
+        fields["headers"] = [list(h) for h in info.headers]
+        fields["body"] = (info.body or b"").decode("utf-8", "replace")
+    echo_document(fields, as_json=as_json)
 
 
-@group.command()
-def stats() -> None:
+@group.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency stats
+  flask --app example_app idempotency stats --json | jq .lease_expired
+"""
+)
+@json_option
+def stats(as_json: bool) -> None:
     """Table-wide figures: records by state, expired rows awaiting purge, stuck leases,
     abandoned records and what ``recover`` made of them."""
     state = _state()
@@ -196,11 +328,21 @@ def stats() -> None:
         figures.update(completer.stats(state.store))
     except StoreUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
-    for name, value in figures.items():
-        click.echo(f"{name}: {value:g}")
+    # Counts are whole numbers; only durations keep a fraction.
+    document = {
+        name: round(value, 3) if name.endswith("_seconds") else int(value)
+        for name, value in figures.items()
+    }
+    echo_document(document, as_json=as_json)
 
 
-@group.command()
+@group.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency recover --once               # cron
+  flask --app example_app idempotency recover --older-than 300     # a service
+"""
+)
 @click.option(
     "--older-than",
     default=completer.DEFAULT_OLDER_THAN,
@@ -224,12 +366,17 @@ def stats() -> None:
     type=click.FloatRange(min=0.1),
     help="Seconds between passes when looping.",
 )
-def recover(older_than: float, once: bool, batch_size: int, interval: float) -> None:
+@interval_option
+def recover(
+    older_than: float, once: bool, batch_size: int, interval: float, progress_interval: float
+) -> None:
     """Finish abandoned attempts (holder dead, lease ended) of routes that declare
     recover=: store the answer their recovery gives, or release them.
 
-    Runs until SIGTERM or Ctrl-C (finishing the record in hand), or one pass with
-    --once; several may run at once. Needs IDEMPOTENCY_CLAIM_MODE = "row".
+    Runs until SIGTERM or Ctrl-C (finishing the record in hand, exit 0), or one
+    pass with --once, showing its progress; Ctrl-C stops a --once pass after the
+    record in hand (exit 130). Several may run at once. Needs
+    IDEMPOTENCY_CLAIM_MODE = "row".
     """
     _state()
     app = current_app._get_current_object()  # type: ignore[attr-defined]
@@ -239,29 +386,61 @@ def recover(older_than: float, once: bool, batch_size: int, interval: float) -> 
         raise click.ClickException(str(exc)) from None
     if not recoverer.routes:
         click.echo("no route of this app declares recover=", err=True)
-    stop = threading.Event()
-    if not once and threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-    try:
-        totals = recoverer.run(stop, once=once, interval=interval)
-    except StoreUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
+    with stop_on_signals() as stop:
+        try:
+            if once:
+                with Progress("recovering abandoned records", interval=progress_interval) as bar:
+                    totals = recoverer.run(stop, once=True, on_outcome=lambda _: bar.advance(1))
+            else:
+                totals = recoverer.run(stop, interval=interval)
+        except StoreUnavailableError as exc:
+            raise click.ClickException(
+                f"{exc} (before it: {completer.describe(recoverer.totals)})"
+            ) from exc
     click.echo(completer.describe(totals))
+    if once and stop.is_set():
+        exit_interrupted(stop, completer.describe(totals))
 
 
-@group.command()
+@group.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency unlock order-1 --authorization 'Bearer sk_test_1'
+  flask --app example_app idempotency unlock order-1 --scope user:42 --yes
+"""
+)
 @click.argument("key")
 @scope_option
 @authorization_option
 @header_option
+@yes_option
 def unlock(
-    key: str, scope: str | None, authorization: str | None, headers: tuple[str, ...]
+    key: str, scope: str | None, authorization: str | None, headers: tuple[str, ...], yes: bool
 ) -> None:
-    """Release a stuck processing record so the next request with the key runs."""
+    """Release a stuck processing record so the next request with the key runs.
+
+    A record whose lease has ended (its holder died) is released at once. One
+    whose lease is still being renewed is in flight: the command says so and
+    asks on a terminal; off a terminal it needs --yes (else exit 2).
+    """
     state = _state()
     rkey = _record_key(key, scope, authorization, headers)
     try:
+        info = state.store.info(rkey)
+        if info is None or info.state != "processing":
+            raise click.ClickException("no processing record for that key and scope")
+        lease_left = _lease_live(info)
+        if lease_left is not None:
+            confirm(
+                f"record {keys.log_key(rkey)} is in flight: its holder still renews its "
+                f"lease (started {info.age_seconds:.0f} s ago, lease ends in "
+                f"{lease_left:.0f} s). Unlocking deletes it: the next request with this key "
+                "runs again, and if the holder is still calling the processor the payment "
+                "can be made twice.",
+                "Unlock it?",
+                yes=yes,
+                required_off_terminal=True,
+            )
         released = state.store.unlock(rkey)
     except StoreUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc

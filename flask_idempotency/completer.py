@@ -39,7 +39,7 @@ import collections
 import enum
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -102,13 +102,19 @@ class Recoverer:
         self.totals: collections.Counter[RecoveryOutcome] = collections.Counter()
 
     def run(
-        self, stop: threading.Event, *, once: bool = False, interval: float = DEFAULT_INTERVAL
+        self,
+        stop: threading.Event,
+        *,
+        once: bool = False,
+        interval: float = DEFAULT_INTERVAL,
+        on_outcome: Callable[[RecoveryOutcome], None] | None = None,
     ) -> collections.Counter[RecoveryOutcome]:
         """Passes until ``stop`` is set (or one, with ``once``). An outage ends a
-        ``once`` run with ``StoreUnavailableError``; a loop logs it and waits."""
+        ``once`` run with ``StoreUnavailableError``; a loop logs it and waits.
+        ``on_outcome`` is told each record's outcome (the CLI's progress)."""
         while True:
             try:
-                outcomes = self.run_pass(stop)
+                outcomes = self.run_pass(stop, on_outcome)
             except StoreUnavailableError as exc:
                 if once:
                     raise
@@ -119,7 +125,11 @@ class Recoverer:
             if once or stop.wait(interval):
                 return self.totals
 
-    def run_pass(self, stop: threading.Event | None = None) -> collections.Counter[RecoveryOutcome]:
+    def run_pass(
+        self,
+        stop: threading.Event | None = None,
+        on_outcome: Callable[[RecoveryOutcome], None] | None = None,
+    ) -> collections.Counter[RecoveryOutcome]:
         """Recover every record abandoned before the pass began; a record handed
         back during the pass waits for the next one."""
         outcomes: collections.Counter[RecoveryOutcome] = collections.Counter()
@@ -135,6 +145,8 @@ class Recoverer:
                 outcome = self.recover(taken)
                 outcomes[outcome] += 1
                 self.totals[outcome] += 1
+                if on_outcome is not None:
+                    on_outcome(outcome)
             if len(batch) < self.batch_size:
                 break
         return outcomes

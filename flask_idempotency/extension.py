@@ -60,6 +60,9 @@ class CommandsOnDemand(AppGroup):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         return self._commands().get_command(ctx, cmd_name)
 
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._commands().format_help(ctx, formatter)  # its help text and examples
+
 
 class Idempotency:
     """Idempotency-Key support for a Flask app, with PostgreSQL as the source of truth."""

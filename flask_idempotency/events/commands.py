@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-import signal
-import threading
 from typing import Any
 
 import click
 from flask import current_app
 from flask.cli import with_appcontext
 
+from ..cli_progress import Progress, interval_option
+from ..cli_stop import exit_interrupted, stop_on_signals
 from ..store.base import StoreUnavailableError
+from . import outbox
 from .amqp import BrokerUnavailable, Publisher, redact
 from .relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, Relay
 
 
-@click.command()
+@click.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency relay                  # a service
+  flask --app example_app idempotency relay --once           # drain the backlog, exit
+  flask --app example_app idempotency relay --once --broker-url amqp://guest:guest@mq:5672/
+"""
+)
 @with_appcontext
 @click.option("--once", is_flag=True, help="Publish what is pending, then exit (cron, tests).")
 @click.option(
@@ -38,19 +46,22 @@ from .relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, Relay
     type=click.FloatRange(min=0.01),
     help="Seconds between looks at an empty outbox.",
 )
+@interval_option
 def relay(
     once: bool,
     broker_url: str | None,
     exchange: str | None,
     batch_size: int,
     poll_interval: float,
+    progress_interval: float,
 ) -> None:
     """Publish pending events to the broker, with confirms, and mark them published.
 
-    Runs until SIGTERM or Ctrl-C (finishing its batch), waiting out broker and
-    database outages with backoff; several may run at once. With --once it
-    publishes what is pending and exits, non-zero if the broker or database is
-    unreachable.
+    Runs until SIGTERM or Ctrl-C (finishing its batch, exit 0), waiting out
+    broker and database outages with backoff; several may run at once. With
+    --once it publishes what is pending, showing its progress, and exits: 1 if
+    the broker or database is unreachable, 130 if Ctrl-C stopped it between
+    batches.
     """
     try:
         state: Any = current_app.extensions["idempotency"]
@@ -71,13 +82,21 @@ def relay(
         batch_size=batch_size,
         poll_interval=poll_interval,
     )
-    stop = threading.Event()
-    if not once and threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
     click.echo(f"relaying events to {redact(url)} exchange {exchange!r}", err=True)
-    try:
-        stats = worker.run(stop, once=once)
-    except (BrokerUnavailable, StoreUnavailableError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    with stop_on_signals() as stop:
+        try:
+            if once:
+                total = outbox.count_due(state.store)
+                with Progress(
+                    "publishing events", total=total, interval=progress_interval
+                ) as progress:
+                    stats = worker.run(stop, once=True, on_batch=progress.advance)
+            else:
+                stats = worker.run(stop)
+        except (BrokerUnavailable, StoreUnavailableError) as exc:
+            raise click.ClickException(
+                f"{exc} ({worker.stats.published} event(s) published before it)"
+            ) from exc
     click.echo(f"{stats.published} event(s) published, {stats.deferred} deferred")
+    if once and stop.is_set():
+        exit_interrupted(stop, f"{stats.published} event(s) published")

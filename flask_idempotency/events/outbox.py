@@ -94,6 +94,10 @@ DELETE FROM idempotency_outbox o USING doomed WHERE o.id = doomed.id
 COUNT_EXPIRED = """
 SELECT count(*) FROM idempotency_outbox WHERE published_at IS NOT NULL AND expires_at <= now()
 """
+#: What a relay would take now: pending and not deferred (``relay --once``'s total).
+COUNT_DUE = """
+SELECT count(*) FROM idempotency_outbox WHERE published_at IS NULL AND available_at <= now()
+"""
 COUNTS = """
 SELECT count(*) FILTER (WHERE published_at IS NULL),
        count(*) FILTER (WHERE published_at IS NOT NULL),
@@ -248,19 +252,31 @@ def mark_attempted(conn: Any, ids: Sequence[str]) -> None:
 
 def purge(store: Any, batch_size: int) -> int:
     """Delete published events past their expiry, a batch per transaction."""
-    deleted = 0
+    return sum(purge_batches(store, batch_size))
+
+
+def purge_batches(store: Any, batch_size: int) -> Iterator[int]:
+    """:func:`purge`, yielding each committed batch's count (the CLI's progress)."""
     while True:
         with store.transaction() as conn, conn.cursor() as cur:
             cur.execute(PURGE_BATCH, (batch_size,))
             count = int(cur.rowcount)
-        deleted += count
+        if count:
+            yield count
         if count < batch_size:
-            return deleted
+            return
 
 
 def count_expired(store: Any) -> int:
     with store.transaction() as conn, conn.cursor() as cur:
         cur.execute(COUNT_EXPIRED)
+        row = cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+def count_due(store: Any) -> int:
+    with store.transaction() as conn, conn.cursor() as cur:
+        cur.execute(COUNT_DUE)
         row = cur.fetchone()
     return int(row[0]) if row else 0
 

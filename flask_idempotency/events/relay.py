@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..store.base import StoreUnavailableError
@@ -107,9 +108,16 @@ class Relay:
             raise error
         return len(events)
 
-    def run(self, stop: threading.Event | None = None, *, once: bool = False) -> RelayStats:
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        *,
+        once: bool = False,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> RelayStats:
         """Relay until ``stop`` is set; with ``once``, until nothing is pending, and an
-        outage raises instead of waiting (cron runs it again)."""
+        outage raises instead of waiting (cron runs it again). ``on_batch`` is told
+        the size of each committed batch (the CLI's progress)."""
         stop = stop or threading.Event()
         try:
             while not stop.is_set():
@@ -125,6 +133,8 @@ class Relay:
                     stop.wait(delay)
                     continue
                 self.backoff.reset()
+                if taken and on_batch is not None:
+                    on_batch(taken)
                 if taken == self.batch_size:
                     continue  # more may be waiting
                 if once:
