@@ -1,6 +1,6 @@
 """``purge`` and ``unlock`` of a live record ask first on a terminal; ``--yes`` skips.
 
-A terminal is staged by replacing ``cli_confirm.interactive`` (the runner's
+A terminal is staged by replacing ``prompts.interactive`` (the runner's
 stdin is a pipe); ``test_subprocess`` asks through a real pseudo-terminal.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from flask import Flask
 
-from flask_idempotency import cli_confirm
+from flask_idempotency.cli import prompts as cli_confirm
 
 from .conftest import count, execute, run, seed_expired
 

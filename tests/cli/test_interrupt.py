@@ -13,7 +13,7 @@ import signal
 import pytest
 from flask import Flask
 
-from flask_idempotency.cli_stop import stop_on_signals
+from flask_idempotency.cli.stop import stop_on_signals
 
 from .app import create_app
 from .conftest import execute, run, seed_abandoned

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from flask import Flask
 
-from flask_idempotency.cli_progress import Progress
+from flask_idempotency.cli.progress import Progress
 
 from .conftest import count, execute, run, seed_abandoned, seed_events, seed_expired
 

@@ -99,7 +99,7 @@ def test_importing_the_package_loads_no_cli_completer_or_broker_module() -> None
         "flask_idempotency.cli",
         "flask_idempotency.completer",
         "flask_idempotency.events.amqp",
-        "flask_idempotency.events.commands",
+        "flask_idempotency.cli.relay",
         "flask_idempotency.events.consumer",
         "flask_idempotency.events.embedded",
         "flask_idempotency.events.relay",

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
-from flask import current_app
 from flask.cli import with_appcontext
 
-from ..cli_progress import Progress, interval_option
-from ..cli_stop import exit_interrupted, stop_on_signals
+from ..events import outbox
+from ..events.amqp import BrokerUnavailable, Publisher, redact
+from ..events.relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, Relay
+from ..state import app_state
 from ..store.base import StoreUnavailableError
-from . import outbox
-from .amqp import BrokerUnavailable, Publisher, redact
-from .relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, Relay
+from .progress import Progress, interval_option
+from .stop import exit_interrupted, stop_on_signals
 
 
 @click.command(
@@ -64,9 +62,9 @@ def relay(
     batches.
     """
     try:
-        state: Any = current_app.extensions["idempotency"]
-    except KeyError:
-        raise click.ClickException("flask_idempotency is not initialised on this app") from None
+        state = app_state()
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
     url = broker_url or state.settings.broker_url
     if not url:
         raise click.ClickException("no broker: set IDEMPOTENCY_BROKER_URL or give --broker-url")

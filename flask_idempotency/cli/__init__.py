@@ -1,8 +1,8 @@
 """``flask idempotency ...``: thin commands over the store's maintenance methods.
 
 How they talk to an operator lives in small modules of its own: progress
-(``cli_progress``), stopping between batches (``cli_stop``), prose or JSON
-(``cli_output``) and confirmation (``cli_confirm``).
+(``progress.py``), stopping between batches (``stop.py``), prose or JSON
+(``output.py``) and confirmation (``prompts.py``); ``relay.py`` is the relay command.
 
 Exit status, stable for scripts: 0 done; 1 failed (store unreachable, no such
 record, a "no" at a prompt); 2 usage (bad option, or ``--yes`` missing where a
@@ -18,16 +18,16 @@ import click
 from flask import current_app, request
 from flask.cli import AppGroup
 
-from . import completer, keys
-from .cli_confirm import confirm, yes_option
-from .cli_output import echo_document, json_option
-from .cli_progress import Progress, interval_option
-from .cli_stop import exit_interrupted, stop_on_signals
-from .events import outbox
-from .events.commands import relay
-from .keys import parse_key, record_key
-from .state import AppState, app_state
-from .store.base import RecordInfo, StoreUnavailableError
+from .. import completer, keys
+from ..events import outbox
+from ..keys import parse_key, record_key
+from ..state import AppState, app_state
+from ..store.base import RecordInfo, StoreUnavailableError
+from .output import echo_document, json_option
+from .progress import Progress, interval_option
+from .prompts import confirm, yes_option
+from .relay import relay
+from .stop import exit_interrupted, stop_on_signals
 
 GROUP_EPILOG = """\b
 Example:
@@ -60,7 +60,7 @@ def _state() -> AppState:
 def _record_key(
     key: str, scope: str | None, authorization: str | None, headers: tuple[str, ...]
 ) -> bytes:
-    from .errors import InvalidKey
+    from ..errors import InvalidKey
 
     try:
         parsed = parse_key(key)
@@ -90,7 +90,7 @@ def _scope_from_headers(authorization: str | None, headers: tuple[str, ...]) -> 
     (a route's own ``scope_func``, a user known only to the view) is given
     with ``--scope``.
     """
-    from .errors import ScopeUnavailable
+    from ..errors import ScopeUnavailable
 
     sent = [_parse_header(raw) for raw in headers]
     if authorization is not None:
