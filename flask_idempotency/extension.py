@@ -43,7 +43,7 @@ T = TypeVar("T")
 
 
 class CommandsOnDemand(AppGroup):
-    """``flask idempotency``: the commands (``cli.py``) load when one runs, so an
+    """``flask idempotency``: the commands (the ``cli`` package) load when one runs, so an
     application that serves requests never imports them or what they use."""
 
     def __init__(self) -> None:
