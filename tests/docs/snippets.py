@@ -109,6 +109,34 @@ def blocks(path: Path) -> list[Block]:
     return found
 
 
+def runs(block: Block) -> bool:
+    """Whether a page's run includes the block (written or executed)."""
+    return not block.illustrative and (block.runnable_language or block.option("file") is not None)
+
+
+def section_lines(path: Path, heading: str) -> tuple[int, int]:
+    """The lines ``[start, end)`` of the section under ``heading`` (to the next
+    heading of the same or a higher level), outside code blocks."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    in_code = False
+    start: int | None = None
+    level = 0
+    for number, line in enumerate(lines, 1):
+        if _FENCE.match(line):
+            in_code = not in_code
+            continue
+        found = None if in_code else re.match(r"^(#+) (.*)$", line)
+        if found is None:
+            continue
+        if start is None and found.group(2).strip() == heading:
+            start, level = number, len(found.group(1))
+        elif start is not None and len(found.group(1)) <= level:
+            return start, number
+    if start is None:
+        raise KeyError(f"{path.name}: no heading {heading!r}")
+    return start, len(lines) + 1
+
+
 def documents() -> list[Path]:
     """The README and every Markdown page of the docs."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -160,14 +188,14 @@ class Page:
             text = text.replace(placeholder, value)
         return text
 
-    def run(self, *, until_line: int | None = None) -> list[Result]:
-        """Run every non-illustrative block (up to the one starting at ``until_line``)."""
-        for block in blocks(self.path):
-            if until_line is not None and block.line > until_line:
-                break
-            if block.illustrative or not (block.runnable_language or block.option("file")):
-                continue
-            self.run_block(block)
+    def run(self, *sections: str) -> list[Result]:
+        """Run every non-illustrative block of the page, or of the named sections
+        (headings, in the order given)."""
+        ranges = [section_lines(self.path, name) for name in sections] or [(0, 10**9)]
+        for start, end in ranges:
+            for block in blocks(self.path):
+                if start <= block.line < end and runs(block):
+                    self.run_block(block)
         return self.results
 
     def run_block(self, block: Block) -> Result:
@@ -238,7 +266,8 @@ class Page:
             elif _answers(self.port):
                 return
             time.sleep(0.1)
-        raise AssertionError(f"{block.where} never became ready ({ready or self.port})\n{self.logs()}")
+        waited_for = ready or f"port {self.port}"
+        raise AssertionError(f"{block.where} never became ready ({waited_for})\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(
@@ -282,4 +311,6 @@ def _text(value: bytes | str | None) -> str:
 
 
 def describe(found: Iterator[Block] | list[Block]) -> str:
-    return "\n".join(f"{b.where} ({b.language} {' '.join(map(shlex.quote, b.words))})" for b in found)
+    return "\n".join(
+        f"{b.where} ({b.language} {' '.join(map(shlex.quote, b.words))})" for b in found
+    )
