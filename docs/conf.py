@@ -47,10 +47,13 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(typing|collections|datetime|threading|logging|enum|pathlib|types|os)\..*"),
     (r"py:.*", r"(flask|werkzeug|click|psycopg2|psycopg|kombu|redis|prometheus_client)(\..*)?"),
     (r"py:.*", r"(opentelemetry|pytest|pytest_postgresql|collections\.abc)(\..*)?"),
-    (r"py:class", r"(Any|Callable|Iterator|Iterable|Mapping|Sequence|Counter|Flask|Request"
-     r"|Response|Path|timedelta|datetime|Event|Enum|P|R|T|View|TracebackType"
-     r"|int|str|bytes|float|bool|None|dict|list|tuple|set|frozenset|object|type"
-     r"|Exception|BaseException|Logger)"),
+    (
+        r"py:class",
+        r"(Any|Callable|Iterator|Iterable|Mapping|Sequence|Counter|Flask|Request"
+        r"|Response|Path|timedelta|datetime|Event|Enum|P|R|T|View|TracebackType"
+        r"|int|str|bytes|float|bool|None|dict|list|tuple|set|frozenset|object|type"
+        r"|Exception|BaseException|Logger)",
+    ),
     # Internal helper types that appear in public signatures; not part of the API.
     (r"py:class", r"(.*\.)?(_\w+|T|Handler|KeyFunc|ConsumerOptions|EventPublisher|Backoff)"),
     (r"py:class", r"(CollectorRegistry|TracerProvider)"),
