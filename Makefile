@@ -13,7 +13,7 @@ STAMP   := $(VENV)/.installed
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-x -k proxy"`.
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-transaction-mode test-fast test-reliability test-topologies lint run bench clean distclean
+.PHONY: venv test test-transaction-mode test-fast test-reliability test-topologies lint run bench docs clean distclean
 
 venv: $(STAMP)
 
@@ -73,10 +73,25 @@ $(VENV)/.bench-peers: benchmarks/requirements-peers.txt
 	$(PY) -m pip install -r benchmarks/requirements-peers.txt
 	touch $@
 
+# The documentation site in docs/_build/html: warnings are errors (-W) and every
+# cross-reference must resolve (-n, nitpicky); then the link check, on internal
+# links only (conf.py ignores http(s) URLs: CI has no business failing on a
+# third party's site; links into this repository are checked by docs/_ext).
+# Sphinx and the theme are the `docs` extra, installed here, not by `make venv`.
+# The snippets on these pages are run by the tests (tests/docs), not by this target.
+SPHINXBUILD := $(VENV)/bin/sphinx-build -W --keep-going -n -q
+docs: venv $(VENV)/.docs-deps
+	$(SPHINXBUILD) -b html docs docs/_build/html
+	$(SPHINXBUILD) -b linkcheck docs docs/_build/linkcheck
+
+$(VENV)/.docs-deps: pyproject.toml
+	$(PY) -m pip install -e '.[docs]'
+	touch $@
+
 # Build and tool leftovers; keeps .venv and instance/ (the example app's
 # embedded database lives there).
 clean:
-	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis docs/_build
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean

@@ -1,0 +1,250 @@
+"""Every Python and shell block of the README and the docs runs, or says it is illustrative.
+
+``snippets.py`` has the convention. Each test below runs a page (or some of its
+sections) the way a reader would, against the run's PostgreSQL (a database of
+its own), Redis and RabbitMQ, then checks what the reader was told to expect.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg2
+import pytest
+
+from flask_idempotency import Idempotency
+
+from .snippets import ROOT, Block, Page, blocks, describe, documents, free_port, runs, section_lines
+
+DOCS = ROOT / "docs"
+
+#: What the tests below run: a document and its sections (empty: the whole page).
+#: A block that is neither run here nor marked ``illustrative`` fails
+#: ``test_every_block_is_run_or_illustrative``.
+COVERED: dict[Path, tuple[str, ...]] = {
+    ROOT / "README.md": ("Quickstart",),
+    DOCS / "quickstart.md": ("With Flask-SQLAlchemy", "With a psycopg2 connection", "Try it"),
+    DOCS / "events.md": (),
+    DOCS / "observability.md": (),
+    DOCS / "deployment.md": ("Health checks",),
+}
+
+NEEDS_DB_ARGUMENT = pytest.mark.xfail(
+    strict=True, reason="needs Idempotency(app, db=db) (Flask-SQLAlchemy support)"
+)
+
+
+def test_every_block_is_run_or_illustrative() -> None:
+    unmarked, bad = [], []
+    for path in documents():
+        sections = COVERED.get(path)
+        ranges = [section_lines(path, name) for name in sections or ()] or [(0, 10**9)]
+        for block in blocks(path):
+            if block.bad_words():
+                bad.append(block)
+            if not runs(block) or not block.runnable_language:
+                continue
+            if sections is None or not any(start <= block.line < end for start, end in ranges):
+                unmarked.append(block)
+    assert not bad, "unknown words after the language:\n" + describe(bad)
+    assert not unmarked, "blocks neither run by tests/docs nor marked illustrative:\n" + describe(
+        unmarked
+    )
+
+
+@pytest.fixture
+def page_env(tmp_path: Path, fresh_database_url: str, redis_url: str) -> Iterator[dict[str, str]]:
+    """Where a page runs: its port, and the placeholders of the docs replaced."""
+    port = free_port()
+    yield {
+        "port": str(port),
+        "postgresql+psycopg2://localhost/payments": _with_scheme(
+            fresh_database_url, "postgresql+psycopg2"
+        ),
+        "postgresql://localhost/payments": fresh_database_url,
+        "redis://localhost:6379/0": redis_url,
+        "localhost:5000": f"127.0.0.1:{port}",
+        "localhost:8000": f"127.0.0.1:{port}",
+        "127.0.0.1:8000": f"127.0.0.1:{port}",
+    }
+
+
+def _with_scheme(url: str, scheme: str) -> str:
+    return scheme + url[url.index("://") :]
+
+
+def make_page(path: Path, workdir: Path, substitutions: dict[str, str]) -> Page:
+    port = int(substitutions.pop("port"))
+    return Page(
+        path,
+        workdir,
+        substitutions=substitutions,
+        port=port,
+        env={"FLASK_RUN_PORT": str(port), "GUNICORN_CMD_ARGS": f"--bind 127.0.0.1:{port}"},
+    )
+
+
+def count(database_url: str, table: str) -> int:
+    conn = psycopg2.connect(database_url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT count(*) FROM {table}")
+            row = cur.fetchone()
+            assert row is not None
+            return int(row[0])
+    finally:
+        conn.close()
+
+
+def check_try_it(page: Page) -> None:
+    """The three requests of "Try it": created, replayed, refused."""
+    answers = re.split(r"(?=HTTP/1\.[01] )", page.output_of("Idempotency-Key: order-1001"))
+    answers = [a for a in answers if a.startswith("HTTP/")]
+    assert len(answers) == 3, answers
+    first, replay, reused = answers
+    assert first.startswith("HTTP/1.1 201") and "Idempotent-Replayed: false" in first
+    assert replay.startswith("HTTP/1.1 201") and "Idempotent-Replayed: true" in replay
+    assert first.split("\r\n\r\n", 1)[1] == replay.split("\r\n\r\n", 1)[1]
+    assert reused.startswith("HTTP/1.1 422") and '"key_reused"' in reused
+
+
+@NEEDS_DB_ARGUMENT
+def test_quickstart_with_flask_sqlalchemy(
+    tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
+) -> None:
+    page = make_page(DOCS / "quickstart.md", tmp_path, page_env)
+    try:
+        page.run("With Flask-SQLAlchemy", "Try it")
+        check_try_it(page)
+    finally:
+        page.stop()
+    assert count(fresh_database_url, "charge") == 1
+
+
+def test_quickstart_with_a_connection(
+    tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
+) -> None:
+    page = make_page(DOCS / "quickstart.md", tmp_path, page_env)
+    try:
+        page.run("With a psycopg2 connection", "Try it")
+        check_try_it(page)
+    finally:
+        page.stop()
+    assert count(fresh_database_url, "charges") == 1
+
+
+@NEEDS_DB_ARGUMENT
+def test_readme_quickstart(
+    tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
+) -> None:
+    page = make_page(ROOT / "README.md", tmp_path, page_env)
+    try:
+        page.run("Quickstart")
+        check_try_it(page)
+    finally:
+        page.stop()
+    assert count(fresh_database_url, "charge") == 1
+
+
+def test_events_end_to_end_through_rabbitmq(
+    tmp_path: Path, page_env: dict[str, str], fresh_database_url: str, amqp_url: str
+) -> None:
+    """The route emits, the relay publishes to the exchange the consumer bound, the
+    consumer writes one receipt; a second relay run and a replay add nothing."""
+    prefix = "docs-" + secrets.token_hex(4)
+    page_env |= {
+        "amqp://guest:guest@localhost:5672//": amqp_url,
+        '"payments.events"': f'"{prefix}.events"',
+        '"receipts"': f'"{prefix}.receipts"',
+    }
+    page = make_page(DOCS / "events.md", tmp_path, page_env)
+    try:
+        page.run()
+        relay = page.output_of("idempotency relay --once")
+        assert "unroutable" not in relay, relay
+        _wait_for(lambda: count(fresh_database_url, "receipts") == 1, page)
+        page.run_block(_block(page, "idempotency relay --once"))  # nothing pending: no-op
+        page.run_block(_block(page, "Idempotency-Key: order-1001"))  # a replay: no event
+        page.run_block(_block(page, "idempotency relay --once"))
+        time.sleep(1)
+        assert count(fresh_database_url, "receipts") == 1
+        assert count(fresh_database_url, "charges") == 1
+    finally:
+        page.stop()
+        _delete_broker_names(amqp_url, prefix)
+
+
+def _block(page: Page, contains: str) -> Block:
+    for block in blocks(page.path):
+        if contains in block.text and runs(block):
+            return block
+    raise KeyError(contains)
+
+
+def _wait_for(condition: Callable[[], bool], page: Page, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting\n{page.logs()}")
+        time.sleep(0.2)
+
+
+def _delete_broker_names(url: str, prefix: str) -> None:
+    import kombu
+
+    with kombu.Connection(url, connect_timeout=5) as conn:
+        for name, kind in (
+            (f"{prefix}.receipts", "queue"),
+            (f"{prefix}.receipts.dlq", "queue"),
+            (f"{prefix}.events", "exchange"),
+        ):
+            channel = conn.channel()
+            try:
+                if kind == "queue":
+                    channel.queue_delete(name)
+                else:
+                    channel.exchange_delete(name)
+            except Exception:  # already gone
+                pass
+
+
+def test_prometheus_under_gunicorn_adds_up_workers(
+    tmp_path: Path, page_env: dict[str, str]
+) -> None:
+    """Two workers, seven requests: every scrape shows 6 executed and 1 replayed,
+    whichever worker answers."""
+    page = make_page(DOCS / "observability.md", tmp_path, page_env)
+    try:
+        page.run()
+    finally:
+        page.stop()
+    scraped = page.output_of("curl -s localhost:8000/metrics")
+    executed = re.findall(r'outcome="executed"[^}]*} (\S+)', scraped)
+    replayed = re.findall(r'outcome="replayed"[^}]*source="store"[^}]*} (\S+)', scraped)
+    assert executed == ["6.0"] * 3, scraped
+    assert replayed == ["1.0"] * 3, scraped
+
+
+@pytest.mark.xfail(not hasattr(Idempotency, "ping"), strict=True, reason="needs idempotency.ping()")
+def test_health_check(tmp_path: Path, page_env: dict[str, str]) -> None:
+    page = make_page(DOCS / "deployment.md", tmp_path, page_env)
+    page.run("Health checks")
+    assert "200 {'status': 'ok'}" in page.results[-1].output
+
+
+def test_readme_links_point_at_files() -> None:
+    """The README's relative links (into docs/ and benchmarks/) name files that exist."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\((?!https?://|#)([^)#\s]+)", text)
+    assert targets
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, missing
+
+
+def test_readme_is_short() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 150, len(lines)
