@@ -35,7 +35,7 @@ from .store.errors import is_unreachable
 from .store.postgres import PostgresStore
 
 if TYPE_CHECKING:
-    from .events import consumer as events_consumer
+    from .events.consumer import ConsumerGuard, Handler, KeyFunc
 
 log = logging.getLogger("flask_idempotency")
 
@@ -176,14 +176,14 @@ class Idempotency:
         self,
         name: str,
         *,
-        key: events_consumer.KeyFunc | None = None,
+        key: KeyFunc | None = None,
         max_attempts: int = 5,
         lease: float | timedelta | None = None,
         ttl: float | timedelta | None = None,
         retry_delay: float | timedelta = 1.0,
         max_retry_delay: float | timedelta = 60.0,
         busy_delay: float | timedelta = 1.0,
-    ) -> Callable[[events_consumer.Handler], events_consumer.ConsumerGuard]:
+    ) -> Callable[[Handler], ConsumerGuard]:
         """``@idempotency.consumer("receipts")``: run a message handler once in effect
         per message (keyed by message id, or ``key(delivery)``), with the HTTP
         route's claim, lease and fencing; dead-letter after ``max_attempts``.
@@ -201,7 +201,7 @@ class Idempotency:
             busy_delay=busy_delay,
         )
 
-        def decorator(handler: events_consumer.Handler) -> events_consumer.ConsumerGuard:
+        def decorator(handler: Handler) -> ConsumerGuard:
             return events_consumer.ConsumerGuard(handler, options)
 
         return decorator

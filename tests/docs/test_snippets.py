@@ -16,8 +16,6 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from flask_idempotency import Idempotency
-
 from .snippets import ROOT, Block, Page, blocks, describe, documents, free_port, runs, section_lines
 
 DOCS = ROOT / "docs"
@@ -229,7 +227,6 @@ def test_prometheus_under_gunicorn_adds_up_workers(
     assert replayed == ["1.0"] * 3, scraped
 
 
-@pytest.mark.xfail(not hasattr(Idempotency, "ping"), strict=True, reason="needs idempotency.ping()")
 def test_health_check(tmp_path: Path, page_env: dict[str, str]) -> None:
     page = make_page(DOCS / "deployment.md", tmp_path, page_env)
     page.run("Health checks")
