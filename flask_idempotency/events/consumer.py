@@ -101,6 +101,12 @@ class Result:
     reason: str | None = None
     #: Attempts of this message so far, this one included (when the handler ran).
     attempts: int = 0
+    #: The completed record: the one this attempt stored (``HANDLED``) or found
+    #: (``DUPLICATE``); what :meth:`ConsumerGuard.stored_record` made of a return value.
+    stored: StoredResponse | None = None
+    #: The handler's exception, when it raised (``RETRY`` or ``DEAD_LETTERED`` with
+    #: ``handler_failed``): a transport with a retry policy of its own re-raises it.
+    error: Exception | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +253,16 @@ class ConsumerGuard:
             key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
         return keys.record_key(self.scope, key)
 
+    def stored_record(self, returned: Any) -> StoredResponse:
+        """What the completed record keeps of the handler's return value, committed
+        with its writes and handed back on every duplicate (``Result.stored``).
+
+        A plain consumer keeps only the fact that it ran; a transport whose
+        handlers return something (a Celery task's result) overrides this. It runs
+        as part of the attempt: raising here fails the attempt like the handler.
+        """
+        return HANDLED_RECORD
+
     def retry_delay(self, attempts: int) -> float:
         exponent = min(max(attempts - 1, 0), 30)
         return float(min(self.options.max_retry_delay, self.options.retry_delay * 2**exponent))
@@ -300,7 +316,7 @@ class ConsumerGuard:
                 return Result(Outcome.RETRY, self.options.retry_delay, "store_unavailable")
             decision = flow.decide(claim, fingerprint)
             if isinstance(decision, flow.Replay):
-                return Result(Outcome.DUPLICATE)
+                return Result(Outcome.DUPLICATE, stored=decision.response)
             if isinstance(decision, flow.Reject):
                 if decision.reason is flow.Rejection.KEY_REUSED:
                     log.error(
@@ -320,7 +336,7 @@ class ConsumerGuard:
             g._idempotency.tx = tx
             g._idempotency.token = token
             try:
-                self.handler(delivery)
+                stored = self.stored_record(self.handler(delivery))
             except Exception as exc:
                 state.keeper.drop(record_key, token)
                 tx.rollback()
@@ -333,7 +349,7 @@ class ConsumerGuard:
                 raise
             state.keeper.drop(record_key, token)
             try:
-                tx.complete(record_key, token, HANDLED_RECORD)
+                tx.complete(record_key, token, stored)
             except LeaseLostError:
                 log.warning(
                     "consumer %s: lease lost for key %s; this attempt was rolled back",
@@ -345,7 +361,7 @@ class ConsumerGuard:
                 log.warning("consumer %s: completion failed: %s", self.options.name, exc)
                 tx.release(record_key, token)
                 return Result(Outcome.RETRY, self.options.retry_delay, "store_unavailable")
-            return Result(Outcome.HANDLED)
+            return Result(Outcome.HANDLED, stored=stored)
         finally:
             g.pop("_idempotency", None)
             tx.close()
@@ -369,9 +385,9 @@ class ConsumerGuard:
                 row = cur.fetchone()
         except StoreUnavailableError:
             # The lease will lapse; the next delivery takes it over and counts it.
-            return Result(Outcome.RETRY, self.options.retry_delay, "handler_failed")
+            return Result(Outcome.RETRY, self.options.retry_delay, "handler_failed", error=exc)
         if row is None:
-            return Result(Outcome.FENCED, reason="lease_lost")
+            return Result(Outcome.FENCED, reason="lease_lost", error=exc)
         attempts = int(row[0]) + 1
         log.warning(
             "consumer %s: handler failed on key %s (attempt %d of %d): %s",
@@ -382,7 +398,9 @@ class ConsumerGuard:
             type(exc).__name__,
         )
         if attempts >= self.options.max_attempts:
-            result = Result(Outcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts)
+            result = Result(
+                Outcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
+            )
             try:
                 if dead_letter is not None:
                     dead_letter(delivery, result, error)
@@ -393,7 +411,7 @@ class ConsumerGuard:
                 return result
         self._run(state, FAIL_ATTEMPT, record_key, token)
         return Result(
-            Outcome.RETRY, self.retry_delay(attempts), "handler_failed", attempts=attempts
+            Outcome.RETRY, self.retry_delay(attempts), "handler_failed", attempts, error=exc
         )
 
     def _dead_letter_unclaimed(
