@@ -114,9 +114,12 @@ class TaskDeferred(Exception):
     PostgreSQL is unreachable. A worker would publish it again for later."""
 
     def __init__(self, reason: str, delay: float) -> None:
-        super().__init__(f"{reason}: try again in {delay:.2f} s")
+        super().__init__(reason, delay)  # as given: the exception pickles (result backends)
         self.reason = reason
         self.delay = delay
+
+    def __str__(self) -> str:
+        return f"{self.reason}: try again in {self.delay:.2f} s"
 
 
 def encode_result(value: Any) -> StoredResponse:
@@ -203,20 +206,35 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
                 f"task {self.name}: no idempotency key (no {KEY_HEADER!r} header, "
                 "argument or task id)"
             )
-        body = {"task": self.name, "args": list(args), "kwargs": kwargs}
         delivery = Delivery(
             id=str(key),
             type=self.name,
-            payload=body,
+            payload={"args": args, "kwargs": kwargs},
             headers=dict(request.headers or {}),
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
-            body=body,
+            body={"task": self.name, "arguments": self._arguments(args, kwargs)},
         )
         result = self.idempotency_guard.handle(delivery, app=self._flask_app())
         return self._outcome(result, request, args, kwargs)
 
     def _run_delivery(self, delivery: Delivery) -> Any:
         return self.run(*delivery.payload["args"], **delivery.payload["kwargs"])
+
+    def _task_function(self) -> Callable[..., Any]:
+        # Under autoretry_for, run is a wrapper and _orig_run the task function.
+        run: Callable[..., Any] = getattr(self, "_orig_run", None) or self.run
+        return run
+
+    def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What "the same call" means (the fingerprint): the arguments by name, with
+        defaults filled in, so ``f(1)`` and ``f(x=1)`` are one call; as given when
+        they do not fit the signature (the task will say so when it runs)."""
+        try:
+            bound = inspect.signature(self._task_function()).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return {"args": list(args), "kwargs": kwargs}
+        bound.apply_defaults()
+        return bound.arguments
 
     def idempotency_key_for(
         self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -231,10 +249,8 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
             return spec(request, args, kwargs)
         if spec in kwargs:
             return kwargs[spec]
-        # Under autoretry_for, run is a wrapper and _orig_run the task function.
-        run: Callable[..., Any] = getattr(self, "_orig_run", None) or self.run
         try:
-            bound = inspect.signature(run).bind_partial(*args, **kwargs)
+            bound = inspect.signature(self._task_function()).bind_partial(*args, **kwargs)
         except TypeError:
             return None
         return bound.arguments.get(spec)
