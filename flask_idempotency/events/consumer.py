@@ -89,6 +89,12 @@ class Result:
     reason: str | None = None
     #: Attempts of this message so far, this one included (when the handler ran).
     attempts: int = 0
+    #: The completed record: the one this attempt stored (``HANDLED``) or found
+    #: (``DUPLICATE``); what :meth:`ConsumerGuard.stored_record` made of a return value.
+    stored: StoredResponse | None = None
+    #: The handler's exception, when it raised (``RETRY`` or ``DEAD_LETTERED`` with
+    #: ``handler_failed``): a transport with a retry policy of its own re-raises it.
+    error: Exception | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +241,16 @@ class ConsumerGuard:
             key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
         return keys.record_key(self.scope, key)
 
+    def stored_record(self, returned: Any) -> StoredResponse:
+        """What the completed record keeps of the handler's return value, committed
+        with its writes and handed back on every duplicate (``Result.stored``).
+
+        A plain consumer keeps only the fact that it ran; a transport whose
+        handlers return something (a Celery task's result) overrides this. It runs
+        as part of the attempt: raising here fails the attempt like the handler.
+        """
+        return HANDLED_RECORD
+
     def retry_delay(self, attempts: int) -> float:
         exponent = min(max(attempts - 1, 0), 30)
         return float(min(self.options.max_retry_delay, self.options.retry_delay * 2**exponent))
@@ -284,7 +300,7 @@ class ConsumerGuard:
                 log.warning("consumer %s: store unavailable: %s", self.options.name, exc)
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
             if isinstance(decision, flow.Replay):
-                return Result(ConsumerOutcome.DUPLICATE)
+                return Result(ConsumerOutcome.DUPLICATE, stored=decision.response)
             if isinstance(decision, flow.Reject):
                 if decision.reason is flow.Rejection.KEY_REUSED:
                     log.error(
@@ -299,7 +315,7 @@ class ConsumerGuard:
             token = decision.token
             with bound(ctx):
                 try:
-                    self.handler(delivery)
+                    stored = self.stored_record(self.handler(delivery))
                 except Exception as exc:
                     state.keeper.drop(record_key, token)
                     tx.rollback()
@@ -310,7 +326,7 @@ class ConsumerGuard:
                     engine.release(ctx)
                     raise
             try:
-                engine.complete(ctx, HANDLED_RECORD)
+                engine.complete(ctx, stored)
             except LeaseLostError:
                 log.warning(
                     "consumer %s: lease lost for key %s; this attempt was rolled back",
@@ -321,7 +337,7 @@ class ConsumerGuard:
             except StoreUnavailableError as exc:
                 log.warning("consumer %s: completion failed: %s", self.options.name, exc)
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
-            return Result(ConsumerOutcome.HANDLED)
+            return Result(ConsumerOutcome.HANDLED, stored=stored)
         finally:
             tx.close()
 
@@ -342,9 +358,11 @@ class ConsumerGuard:
             earlier = state.store.attempts_so_far(record_key, token)
         except StoreUnavailableError:
             # The lease will lapse; the next delivery takes it over and counts it.
-            return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "handler_failed")
+            return Result(
+                ConsumerOutcome.RETRY, self.options.retry_delay, "handler_failed", error=exc
+            )
         if earlier is None:
-            return Result(ConsumerOutcome.FENCED, reason="lease_lost")
+            return Result(ConsumerOutcome.FENCED, reason="lease_lost", error=exc)
         attempts = earlier + 1
         log.warning(
             "consumer %s: handler failed on key %s (attempt %d of %d): %s",
@@ -356,7 +374,7 @@ class ConsumerGuard:
         )
         if attempts >= self.options.max_attempts:
             result = Result(
-                ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts
+                ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
             )
             try:
                 if dead_letter is not None:
@@ -368,7 +386,11 @@ class ConsumerGuard:
                 return result
         self._best_effort(state.store.fail_attempt, record_key, token)
         return Result(
-            ConsumerOutcome.RETRY, self.retry_delay(attempts), "handler_failed", attempts=attempts
+            ConsumerOutcome.RETRY,
+            self.retry_delay(attempts),
+            "handler_failed",
+            attempts=attempts,
+            error=exc,
         )
 
     def _dead_letter_unclaimed(
