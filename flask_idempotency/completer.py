@@ -197,16 +197,16 @@ class Recoverer:
                     value = options.recover(attempt)
                     response = None if value is None else self.app.make_response(value)
                 except LeaseLost:
-                    tx.rollback()
+                    engine.roll_back(ctx)
                     return RecoveryOutcome.FENCED
                 except (StoreUnavailable, StoreUnavailableError) as exc:
                     log.warning("idempotency recover: key %s: store unavailable: %s", label, exc)
-                    tx.rollback()
+                    engine.roll_back(ctx)
                     return self._hand_back(taken, RecoveryOutcome.DEFERRED)
                 except HTTPException as exc:
                     # Raised as the view would have (a 400 for a body it refuses): a 4xx
                     # means the request was never acted on; a 5xx, that it cannot tell.
-                    tx.rollback()
+                    engine.roll_back(ctx)
                     if exc.code is not None and exc.code < 500:
                         return self._release(taken)
                     return self._hand_back(taken, RecoveryOutcome.DEFERRED)
@@ -217,12 +217,12 @@ class Recoverer:
                         getattr(options.recover, "__qualname__", "?"),
                         type(exc).__name__,
                     )
-                    tx.rollback()
+                    engine.roll_back(ctx)
                     return self._hand_back(taken, RecoveryOutcome.DEFERRED)
                 finally:
                     unbind()  # our after_request must not settle it
                 if response is None:
-                    tx.rollback()
+                    engine.roll_back(ctx)
                     return self._release(taken)
                 response = self.app.process_response(response)
                 return self._settle(ctx, taken, label, response)
@@ -245,7 +245,11 @@ class Recoverer:
             ctx = RequestState(self.state, taken.record_key, taken.fingerprint, route)
             ctx.tx, ctx.token, ctx.phases = tx, taken.token, phases
             with bound(ctx):  # unbound after: the teardown must not release it
-                yield ctx
+                engine.join_session(ctx)
+                try:
+                    yield ctx
+                finally:
+                    engine.leave_session(ctx)
 
     def _settle(
         self, ctx: RequestState, taken: Taken, label: str, response: Response
@@ -259,14 +263,14 @@ class Recoverer:
         if stored is not None and stored.status >= 500:
             # The recovery could not tell (its processor is down, say). A client would
             # retry a 5xx; here the next pass does, so the record is handed back.
-            tx.rollback()
+            engine.roll_back(ctx)
             return self._hand_back(taken, RecoveryOutcome.DEFERRED)
         if settlement is flow.Settlement.RELEASE:
-            tx.rollback()
+            engine.roll_back(ctx)
             return self._release(taken)
         if settlement is flow.Settlement.TOO_LARGE or stored is None:
             log.error("idempotency recover: key %s: answer too large to store; handed back", label)
-            tx.rollback()
+            engine.roll_back(ctx)
             return self._hand_back(taken, RecoveryOutcome.DEFERRED)
         try:
             tx.count_recovered()
@@ -274,6 +278,12 @@ class Recoverer:
         except LeaseLostError:
             log.warning("idempotency recover: key %s: taken over meanwhile; rolled back", label)
             return RecoveryOutcome.FENCED
+        except StoreUnavailableError:
+            raise
+        except Exception as exc:  # the session's flush failed: as if recover= raised
+            log.warning("idempotency recover: key %s: flush failed: %s", label, type(exc).__name__)
+            engine.roll_back(ctx)
+            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
         log.info("idempotency recover: key %s recovered (%d)", label, stored.status)
         return RecoveryOutcome.RECOVERED
 

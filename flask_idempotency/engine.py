@@ -52,7 +52,31 @@ def claim(
     if isinstance(decision, flow.Proceed):
         hold(ctx, decision.token, lease)
         ctx.phases = dict(decision.phases)  # a dead holder's recovery points: resumed
+        join_session(ctx)
     return decision, result if isinstance(result, Existing) else None
+
+
+def join_session(ctx: RequestState) -> None:
+    """With ``db=``: the application's session works on the attempt's transaction
+    from now until the attempt is settled."""
+    sessions = ctx.state.sessions
+    if sessions is not None:
+        sessions.join(ctx)
+
+
+def keep_session(ctx: RequestState) -> None:
+    """Flush the joined session into the attempt's transaction (before the answer
+    is stored, or a recovery point commits). Raises what the flush raises."""
+    sessions = ctx.state.sessions
+    if sessions is not None:
+        sessions.keep(ctx)
+
+
+def leave_session(ctx: RequestState) -> None:
+    """The attempt's transaction is over: the session is the application's again."""
+    sessions = ctx.state.sessions
+    if sessions is not None:
+        sessions.leave(ctx)
 
 
 def hold(ctx: RequestState, token: int, lease: float) -> None:
@@ -90,6 +114,7 @@ def complete(ctx: RequestState, stored: StoredResponse, *, release_on_failure: b
     effort, so a retry runs again; the completer keeps it for its next pass).
     """
     assert ctx.tx is not None and ctx.record_key is not None and ctx.token is not None
+    keep_session(ctx)  # before anything is settled: a failed flush is the view's failure
     ctx.settled = True
     ctx.state.keeper.drop(ctx.record_key, ctx.token)
     started = time.monotonic()
@@ -101,6 +126,17 @@ def complete(ctx: RequestState, stored: StoredResponse, *, release_on_failure: b
         raise
     finally:
         ctx.completion_seconds = time.monotonic() - started
+        leave_session(ctx)
+
+
+def roll_back(ctx: RequestState) -> None:
+    """Discard the attempt's writes but keep its claim (the caller settles it)."""
+    sessions = ctx.state.sessions
+    if sessions is not None:
+        sessions.discard(ctx)
+        sessions.leave(ctx)
+    if ctx.tx is not None:
+        ctx.tx.rollback()
 
 
 def release(ctx: RequestState) -> bool:
@@ -111,9 +147,15 @@ def release(ctx: RequestState) -> bool:
     ctx.settled = True
     if ctx.tx is None:
         return False
-    if ctx.record_key is None or ctx.token is None:
-        ctx.tx.rollback()
-        return False
-    ctx.state.keeper.drop(ctx.record_key, ctx.token)
-    ctx.tx.release(ctx.record_key, ctx.token)
-    return True
+    sessions = ctx.state.sessions
+    if sessions is not None:
+        sessions.discard(ctx)
+    try:
+        if ctx.record_key is None or ctx.token is None:
+            ctx.tx.rollback()
+            return False
+        ctx.state.keeper.drop(ctx.record_key, ctx.token)
+        ctx.tx.release(ctx.record_key, ctx.token)
+        return True
+    finally:
+        leave_session(ctx)

@@ -67,18 +67,49 @@ class CommandsOnDemand(AppGroup):
 class Idempotency:
     """Idempotency-Key support for a Flask app, with PostgreSQL as the source of truth."""
 
-    def __init__(self, app: Flask | None = None) -> None:
+    def __init__(
+        self,
+        app: Flask | None = None,
+        db: Any = None,
+        *,
+        engine: Any = None,
+        session: Any = None,
+    ) -> None:
         if app is not None:
-            self.init_app(app)
+            self.init_app(app, db, engine=engine, session=session)
 
-    def init_app(self, app: Flask) -> None:
+    def init_app(
+        self,
+        app: Flask,
+        db: Any = None,
+        *,
+        engine: Any = None,
+        session: Any = None,
+    ) -> None:
         """Read the ``IDEMPOTENCY_*`` settings (``settings.py`` lists them), open the
         store's pool and the cache, and register the request hooks and the
-        ``flask idempotency`` commands."""
+        ``flask idempotency`` commands.
+
+        ``db``: a ``flask_sqlalchemy.SQLAlchemy`` (initialised on ``app`` first). The
+        records then live in its engine's database, requests use its engine's
+        connections (no ``IDEMPOTENCY_DATABASE_URL``), and inside a claimed request
+        ``db.session`` works on the request's transaction: the view's writes commit
+        with its stored answer or not at all. Without Flask-SQLAlchemy, give the
+        same as ``engine=`` (a SQLAlchemy ``Engine``) and ``session=`` (your
+        ``scoped_session``).
+        """
         if find_app_state(app) is not None:
             raise RuntimeError("flask_idempotency is already initialised on this app")
-        settings = settings_from_config(app.config.get_namespace("IDEMPOTENCY_"))
-        store = PostgresStore.from_settings(settings)
+        joins = db is not None or engine is not None
+        settings = settings_from_config(
+            app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
+        )
+        pool = sessions = None
+        if joins:
+            from . import sqlalchemy_session  # SQLAlchemy is imported only by its users
+
+            pool, sessions = sqlalchemy_session.from_app(app, db, engine, session)
+        store = PostgresStore.from_settings(settings, pool)
         state = AppState(
             settings=settings,
             store=store,
@@ -86,6 +117,7 @@ class Idempotency:
             keeper=LeaseKeeper(store, settings.renew_interval),
             metrics=Metrics(),
             profile=PROFILES[settings.profile],
+            sessions=sessions,
         )
         install(app, state)
         app.after_request(runtime.after_request)

@@ -51,14 +51,7 @@ def pool_capacity(app: Flask) -> tuple[int, str] | None:
     state = find_app_state(app)
     if state is None:
         return None
-    settings = state.settings
-    if settings.pool is None:
-        return int(settings.pool_size), "IDEMPOTENCY_POOL_SIZE"
-    maxconn = getattr(settings.pool, "maxconn", None)
-    if not isinstance(maxconn, int):
-        return None
-    # The lease keeper keeps one of a borrowed pool's connections for itself.
-    return maxconn - 1, "the maxconn of IDEMPOTENCY_POOL (less one kept by the lease keeper)"
+    return state.store.pool.capacity()
 
 
 def check_pool_size(app: Flask, threads: int, log: _Logger = log) -> bool:
@@ -72,7 +65,7 @@ def check_pool_size(app: Flask, threads: int, log: _Logger = log) -> bool:
     log.warning(
         "idempotency: %s allows %d database connection(s) for %d worker threads; every "
         "in-flight idempotent request holds one, so the others wait for one (and answer 503 "
-        "after IDEMPOTENCY_POOL_TIMEOUT). Set IDEMPOTENCY_POOL_SIZE to at least %d "
+        "when the pool's timeout passes). Raise it to at least %d "
         "(plus one per idempotency.transaction() a view opens).",
         source,
         capacity,

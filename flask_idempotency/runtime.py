@@ -315,6 +315,7 @@ def teardown_request(exc: BaseException | None) -> None:
             # The view raised past Flask's handlers, or after_request failed: nothing
             # is stored, so a retry runs again.
             release(ctx)
+        engine.leave_session(ctx)
         ctx.tx.close()
     if ctx.outcome is None:  # a pass-through, or an answer no settlement saw
         record(ctx, _pass_through(ctx) if ctx.record_key is None else RequestOutcome.RELEASED)

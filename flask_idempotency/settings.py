@@ -242,8 +242,9 @@ def _coerce_bool(name: str, value: Any) -> bool:
     raise ValueError(f"IDEMPOTENCY_{name.upper()} must be a boolean, got {value!r}")
 
 
-def settings_from_config(config: Mapping[str, Any]) -> Settings:
-    """Build :class:`Settings` from a config namespace (``IDEMPOTENCY_`` prefix stripped)."""
+def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = False) -> Settings:
+    """Build :class:`Settings` from a config namespace (``IDEMPOTENCY_`` prefix stripped);
+    ``engine_given``: the app gave its SQLAlchemy database (``db=``), so no DSN."""
     fields = {f.name for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
     for raw_name, value in config.items():
@@ -280,7 +281,15 @@ def settings_from_config(config: Mapping[str, Any]) -> Settings:
         if name in values and values[name] is None:
             del values[name]
     settings = Settings(**values)
-    validate(settings)
+    if engine_given:
+        if settings.database_url is not None or settings.pool is not None:
+            raise ValueError(
+                "With db= (or engine=) the extension uses that engine's database: "
+                "remove IDEMPOTENCY_DATABASE_URL / IDEMPOTENCY_POOL"
+            )
+        validate(dataclasses.replace(settings, database_url="(db's engine)"))
+    else:
+        validate(settings)
     return settings
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .metrics import Metrics
     from .observer import RequestOutcome
     from .settings import Settings
+    from .sqlalchemy_session import SessionJoin
     from .store.postgres import PostgresStore
     from .store.request import PostgresRequest
 
@@ -53,6 +54,8 @@ class AppState:
     metrics: Metrics
     #: The error format and replay headers (``IDEMPOTENCY_PROFILE``).
     profile: Profile
+    #: Joins the application's SQLAlchemy session to claimed attempts (``db=``).
+    sessions: SessionJoin | None = None
     #: ``IDEMPOTENCY_AUTO_MIGRATE`` found PostgreSQL unreachable at start-up: the
     #: migrations run before the first request that reaches it instead.
     migrations_pending: bool = False
@@ -131,7 +134,7 @@ class RequestState:
     completion_seconds: float | None = None
     #: Set once: every request reports exactly one outcome (``runtime.record``).
     outcome: RequestOutcome | None = None
-    #: What the attempt's ``db.session`` stands on, when the app gave ``db=``.
+    #: The attempt's joined ``db.session`` (``sqlalchemy_session.Joined``), with ``db=``.
     session: Any = None
 
 

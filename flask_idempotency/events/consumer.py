@@ -318,7 +318,7 @@ class ConsumerGuard:
                     stored = self.stored_record(self.handler(delivery))
                 except Exception as exc:
                     state.keeper.drop(record_key, token)
-                    tx.rollback()
+                    engine.roll_back(ctx)
                     return self._failed(state, tx, delivery, record_key, token, exc, dead_letter)
                 except BaseException:
                     # Interrupted (SIGTERM, Ctrl-C): not an attempt; the message is
@@ -337,8 +337,13 @@ class ConsumerGuard:
             except StoreUnavailableError as exc:
                 log.warning("consumer %s: completion failed: %s", self.options.name, exc)
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
+            except Exception as exc:  # the session's flush failed: the handler's failure
+                state.keeper.drop(record_key, token)
+                engine.roll_back(ctx)
+                return self._failed(state, tx, delivery, record_key, token, exc, dead_letter)
             return Result(ConsumerOutcome.HANDLED, stored=stored)
         finally:
+            engine.leave_session(ctx)
             tx.close()
 
     def _failed(

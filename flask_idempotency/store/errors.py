@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import psycopg2
+from .driver import INTERFACE_ERRORS, OPERATIONAL_ERRORS, sqlstate
 
 #: SQLSTATEs outside class 08 that mean the session is gone or cannot start:
 #: admin_shutdown, crash_shutdown, cannot_connect_now, too_many_connections.
@@ -41,12 +41,12 @@ def is_unreachable(exc: BaseException, conn: Any = None) -> bool:
     """
     if conn is not None and getattr(conn, "closed", False):
         return True
-    if isinstance(exc, psycopg2.Error) and exc.pgcode == READ_ONLY_SQLSTATE:
+    code = sqlstate(exc)
+    if code == READ_ONLY_SQLSTATE:
         return True
-    if isinstance(exc, psycopg2.InterfaceError):
+    if isinstance(exc, INTERFACE_ERRORS):
         return True
-    if isinstance(exc, psycopg2.OperationalError):
-        code = exc.pgcode
+    if isinstance(exc, OPERATIONAL_ERRORS):
         return not code or code.startswith("08") or code in UNREACHABLE_SQLSTATES
     return False
 

@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-import psycopg2
-
 from .base import RecordInfo, StoreUnavailableError, Taken
+from .driver import ERRORS, Driver
 from .pool import Connection
 from .sql import (
     ATTEMPTS_SO_FAR,
@@ -54,6 +53,7 @@ class Maintenance:
 
     timeouts: str
     deadline: float
+    driver: Driver
 
     def autocommit(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
@@ -64,8 +64,8 @@ class Maintenance:
         with self.autocommit() as conn:
             ticket = WATCHDOG.watch(conn, self.deadline)
             try:
-                with conn.cursor() as cur:
-                    cur.execute(self.timeouts + sql, params)
+                with self.driver.cursor(conn) as cur:
+                    self.driver.execute(cur, self.timeouts + sql, params)
                     rows = cur.fetchall() if cur.description is not None else []
                     ran = Ran(cur.rowcount, rows)
             finally:
@@ -161,9 +161,10 @@ class Maintenance:
         with self.autocommit() as conn:
             ticket = WATCHDOG.watch(conn, self.deadline)
             try:
-                with conn.cursor() as cur:
-                    cur.execute("BEGIN;\n" + self.timeouts + statement, (record_key, token))
-                    released = cur.rowcount == 1
+                with self.driver.cursor(conn) as cur:
+                    sql = "BEGIN;\n" + self.timeouts + statement
+                    self.driver.execute(cur, sql, (record_key, token))
+                    released: bool = cur.rowcount == 1
                     if released:
                         cur.execute(BUMP_RECOVERY_TOTAL, ("released",))
                     cur.execute("COMMIT")
@@ -172,7 +173,7 @@ class Maintenance:
                     try:
                         with conn.cursor() as cur:
                             cur.execute("ROLLBACK")
-                    except psycopg2.Error:
+                    except ERRORS:
                         conn.close()
                 raise
             finally:

@@ -28,6 +28,7 @@ import psycopg2.pool
 
 from ..observer import Observer
 from .base import StoreUnavailableError
+from .driver import ERRORS, PSYCOPG2, Driver
 from .errors import connect_failure, is_unreachable
 
 Connection = psycopg2.extensions.connection
@@ -49,17 +50,26 @@ if psycopg2.extensions.libpq_version() >= 120000:
     TCP_DEFAULTS["tcp_user_timeout"] = 10_000  # milliseconds
 
 
-class _Pool:
+class Pool:
     """What both pools share: a connection borrowed for a ``with`` block."""
 
     #: Told about checkouts, waits and timeouts once the app is observed
     #: (``observability.attach``); ``None`` costs one attribute read per call.
     observer: Observer | None = None
+    #: The DBAPI driver of the connections this pool lends.
+    driver: Driver = PSYCOPG2
 
     def getconn(self) -> Connection:
         raise NotImplementedError
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
+        raise NotImplementedError
+
+    def discard_idle(self) -> None:
+        """Close the idle connections (after an outage they are as dead as ours was)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
         raise NotImplementedError
 
     def renewal_connection(self) -> Connection:
@@ -77,14 +87,19 @@ class _Pool:
         broken = False
         try:
             yield conn
-        except psycopg2.Error as exc:
+        except ERRORS as exc:
             broken = is_unreachable(exc, conn)
             raise
         finally:
             self.putconn(conn, discard=broken)
 
+    def capacity(self) -> tuple[int, str] | None:
+        """How many requests can hold a connection at once, and the setting that
+        decides it; ``None`` when the pool cannot tell."""
+        return None
 
-class ConnectionPool(_Pool):
+
+class ConnectionPool(Pool):
     """Connections to one DSN; at most ``max_size`` open per process."""
 
     def __init__(
@@ -109,6 +124,9 @@ class ConnectionPool(_Pool):
     @property
     def max_size(self) -> int:
         return self._max_size
+
+    def capacity(self) -> tuple[int, str] | None:
+        return self._max_size, "IDEMPOTENCY_POOL_SIZE"
 
     def _reset(self) -> None:
         # After a fork the inherited idle connections are forgotten, not closed:
@@ -228,7 +246,7 @@ class ConnectionPool(_Pool):
         self.discard_renewal_connection()
 
 
-class BorrowedPool(_Pool):
+class BorrowedPool(Pool):
     """Adapts an application's own ``psycopg2.pool`` to the interface above.
 
     Connections go back exactly as they were lent: the extension works in
@@ -251,6 +269,13 @@ class BorrowedPool(_Pool):
         self._renewal: Connection | None = None
         self._renewal_pid = -1
         self._renewal_lock = threading.Lock()
+
+    def capacity(self) -> tuple[int, str] | None:
+        maxconn = getattr(self._pool, "maxconn", None)
+        if not isinstance(maxconn, int):
+            return None
+        # The lease keeper keeps one of a borrowed pool's connections for itself.
+        return maxconn - 1, "the maxconn of IDEMPOTENCY_POOL (less one kept by the lease keeper)"
 
     def _borrow(self) -> Connection:
         try:

@@ -16,13 +16,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import psycopg2
-
 from . import migrations
 from .base import LeaseHold, StoreUnavailableError
+from .driver import ERRORS
 from .errors import is_unreachable
 from .maintenance import Maintenance
-from .pool import BorrowedPool, Connection, ConnectionPool
+from .pool import BorrowedPool, Connection, ConnectionPool, Pool
 from .request import PostgresRequest, RowClaimRequest, TransactionClaimRequest
 from .sql import (
     ASYNC_COMMIT_PREFIX,
@@ -47,7 +46,7 @@ class PostgresStore(Maintenance):
 
     def __init__(
         self,
-        pool: ConnectionPool | BorrowedPool,
+        pool: Pool,
         *,
         async_claim_commit: bool = True,
         prepare_statements: bool = True,
@@ -56,6 +55,8 @@ class PostgresStore(Maintenance):
         claim_mode: str = "row",
     ) -> None:
         self.pool = pool
+        #: How the pool's connections take our statements (psycopg2 or psycopg 3).
+        self.driver = pool.driver
         #: ``"row"`` (a processing row, committed on its own) or ``"transaction"``.
         self.claim_mode = claim_mode
         self.async_claim_commit = async_claim_commit
@@ -91,18 +92,21 @@ class PostgresStore(Maintenance):
         self._prepared.discard(conn)
 
     @classmethod
-    def from_settings(cls, settings: Any) -> PostgresStore:
-        pool: ConnectionPool | BorrowedPool
-        if settings.pool is not None:
-            pool = BorrowedPool(settings.pool)
-        else:
-            pool = ConnectionPool(
-                settings.database_url,
-                max_size=settings.pool_size,
-                timeout=settings.pool_timeout,
-                connect_timeout=settings.connect_timeout,
-                connect_kwargs=dict(settings.connect_kwargs),
-            )
+    def from_settings(cls, settings: Any, pool: Pool | None = None) -> PostgresStore:
+        """The store ``settings`` describe, on ``pool`` when one is given (an
+        application's SQLAlchemy engine: ``engine_pool.EnginePool``), else on a
+        borrowed ``IDEMPOTENCY_POOL`` or a pool of its own."""
+        if pool is None:
+            if settings.pool is not None:
+                pool = BorrowedPool(settings.pool)
+            else:
+                pool = ConnectionPool(
+                    settings.database_url,
+                    max_size=settings.pool_size,
+                    timeout=settings.pool_timeout,
+                    connect_timeout=settings.connect_timeout,
+                    connect_kwargs=dict(settings.connect_kwargs),
+                )
         return cls(
             pool,
             async_claim_commit=settings.async_claim_commit,
@@ -125,7 +129,7 @@ class PostgresStore(Maintenance):
         try:
             with self.pool.connection() as conn:
                 yield conn
-        except psycopg2.Error as exc:
+        except ERRORS as exc:
             if is_unreachable(exc):
                 self.pool.discard_idle()
             raise StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip()) from exc
@@ -146,14 +150,14 @@ class PostgresStore(Maintenance):
             try:
                 with conn.cursor() as cur:
                     cur.execute("BEGIN")
-            except psycopg2.Error as exc:
+            except ERRORS as exc:
                 broken = is_unreachable(exc, conn)
                 raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
             try:
                 yield conn
             except BaseException as exc:
                 broken = _rollback_quietly(conn)
-                if isinstance(exc, psycopg2.Error) and is_unreachable(exc, conn):
+                if isinstance(exc, ERRORS) and is_unreachable(exc, conn):
                     broken = True
                     raise StoreUnavailableError(f"statement failed: {type(exc).__name__}") from exc
                 raise
@@ -164,7 +168,7 @@ class PostgresStore(Maintenance):
             try:
                 with conn.cursor() as cur:
                     cur.execute("COMMIT")
-            except psycopg2.Error as exc:
+            except ERRORS as exc:
                 if WATCHDOG.unwatch(ticket) or is_unreachable(exc, conn):
                     broken = True
                     raise StoreUnavailableError(f"COMMIT failed: {type(exc).__name__}") from exc
@@ -183,8 +187,8 @@ class PostgresStore(Maintenance):
         with self.autocommit() as conn:
             ticket = WATCHDOG.watch(conn, self.deadline)
             try:
-                with conn.cursor() as cur:
-                    cur.execute(self.timeouts + "SELECT 1")
+                with self.driver.cursor(conn) as cur:
+                    self.driver.execute(cur, self.timeouts + "SELECT 1")
             finally:
                 if WATCHDOG.unwatch(ticket):
                     conn.close()
@@ -204,7 +208,7 @@ class PostgresStore(Maintenance):
         if not holds:
             return 0
         params = (
-            [psycopg2.Binary(h.record_key) for h in holds],
+            [h.record_key for h in holds],
             [h.token for h in holds],
             [h.lease for h in holds],
         )
@@ -213,10 +217,10 @@ class PostgresStore(Maintenance):
             count, error = 0, None
             ticket = WATCHDOG.watch(conn, self.deadline)
             try:
-                with conn.cursor() as cur:
-                    cur.execute(self.timeouts + RENEW, params)
+                with self.driver.cursor(conn) as cur:
+                    self.driver.execute(cur, self.timeouts + RENEW, params)
                     count = int(cur.rowcount)
-            except psycopg2.Error as exc:
+            except ERRORS as exc:
                 error = exc
             finally:
                 fired = WATCHDOG.unwatch(ticket)
@@ -244,6 +248,6 @@ def _rollback_quietly(conn: Connection) -> bool:
     try:
         with conn.cursor() as cur:
             cur.execute("ROLLBACK")
-    except psycopg2.Error:
+    except ERRORS:
         return True
     return False

@@ -23,6 +23,7 @@ from .base import (
     StoredResponse,
     StoreUnavailableError,
 )
+from .driver import ERRORS, sqlstate
 from .errors import is_unreachable
 from .pool import Connection
 from .sql import (
@@ -90,6 +91,11 @@ class PostgresRequest:
             self._conn = self._store.pool.getconn()
         return self._conn
 
+    def held_connection(self) -> Connection:
+        """The connection this request works on (taken from the pool if it has none
+        yet), whatever its transaction state: for joining a session to it."""
+        return self._acquire()
+
     def _drop(self, *, peers: bool = True) -> None:
         """Give back a connection that failed: it is not reused, nor (when the
         database looks unreachable) are its idle peers."""
@@ -109,8 +115,9 @@ class PostgresRequest:
         unresponsive."""
         ticket = WATCHDOG.watch(conn, self._store.deadline)
         try:
-            with conn.cursor() as cur:
-                cur.execute(sql, params)
+            driver = self._store.driver
+            with driver.cursor(conn) as cur:
+                driver.execute(cur, sql, params)
                 row = cur.fetchone() if fetch else None
         finally:
             fired = WATCHDOG.unwatch(ticket)
@@ -125,7 +132,7 @@ class PostgresRequest:
         if not self._in_transaction:
             try:
                 self._execute(conn, "BEGIN")
-            except psycopg2.Error as exc:
+            except ERRORS as exc:
                 self._drop(peers=self._unresponsive or is_unreachable(exc, conn))
                 raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
             self._in_transaction = True
@@ -146,13 +153,13 @@ class PostgresRequest:
             sql = store.complete_in_transaction if self._in_transaction else store.complete_alone
         try:
             self._execute(conn, sql, sql_params)
-        except psycopg2.Error as exc:
+        except ERRORS as exc:
             if self._unresponsive or is_unreachable(exc, conn):
                 self._drop()
                 raise StoreUnavailableError(f"completion failed: {type(exc).__name__}") from exc
             if self._in_transaction:
                 self._rollback()
-            if exc.pgcode == LEASE_LOST_SQLSTATE:
+            if sqlstate(exc) == LEASE_LOST_SQLSTATE:
                 raise LeaseLostError() from exc
             raise StoreUnavailableError(f"completion failed: {type(exc).__name__}") from exc
         self._in_transaction = False
@@ -171,13 +178,13 @@ class PostgresRequest:
             sql += ";\nCOMMIT;\nBEGIN"
         try:
             self._execute(conn, sql, (record_key, token, phase, data_json))
-        except psycopg2.Error as exc:
+        except ERRORS as exc:
             if self._unresponsive or is_unreachable(exc, conn):
                 self._drop()
                 raise StoreUnavailableError(f"checkpoint failed: {type(exc).__name__}") from exc
             if self._in_transaction:
                 self._rollback()
-            if exc.pgcode == LEASE_LOST_SQLSTATE:
+            if sqlstate(exc) == LEASE_LOST_SQLSTATE:
                 raise LeaseLostError() from exc
             raise StoreUnavailableError(f"checkpoint failed: {type(exc).__name__}") from exc
         self.has_progress = True
@@ -195,7 +202,7 @@ class PostgresRequest:
         try:
             self._execute(self._conn, "ROLLBACK")
             self._in_transaction = False
-        except psycopg2.Error as exc:
+        except ERRORS as exc:
             self._drop(peers=self._unresponsive or is_unreachable(exc, self._conn))
 
     def release(self, record_key: bytes, token: int) -> None:
@@ -222,11 +229,11 @@ class PostgresRequest:
             conn = self._acquire()
             self._execute(conn, sql, (record_key, token))
             self._in_transaction = False
-        except (psycopg2.Error, StoreUnavailableError) as exc:
+        except (*ERRORS, StoreUnavailableError) as exc:  # type: ignore[misc]
             log.warning(
                 "idempotency: release failed (%s); the lease will expire", type(exc).__name__
             )
-            unreachable = not isinstance(exc, psycopg2.Error) or is_unreachable(exc, self._conn)
+            unreachable = not isinstance(exc, ERRORS) or is_unreachable(exc, self._conn)
             self._drop(peers=self._unresponsive or unreachable)
 
     def rollback(self) -> None:
@@ -243,7 +250,7 @@ class PostgresRequest:
         try:
             with self._conn.cursor() as cur:
                 cur.execute("COMMIT")
-        except psycopg2.Error as exc:
+        except ERRORS as exc:
             if is_unreachable(exc, self._conn):
                 self._drop()
                 raise StoreUnavailableError(f"COMMIT failed: {type(exc).__name__}") from exc
@@ -285,14 +292,14 @@ class RowClaimRequest(PostgresRequest):
             "token": token,
             "lease": lease,
             "ttl": ttl,
-            "recovery": psycopg2.Binary(recovery) if recovery is not None else None,
+            "recovery": recovery,
         }
         retried_connection = retried_prepare = False
         for _ in range(5):
             conn = self._acquire()
             try:
                 row = self._execute(conn, self._store.claim_sql(conn), params, fetch=True)
-            except psycopg2.Error as exc:
+            except ERRORS as exc:
                 if self._unresponsive:
                     self._drop()
                     raise StoreUnavailableError("claim failed: PostgreSQL did not answer") from exc
@@ -304,11 +311,11 @@ class RowClaimRequest(PostgresRequest):
                         retried_connection = True
                         continue
                     raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
-                if exc.pgcode == PREPARED_STATEMENT_MISSING and not retried_prepare:
+                if sqlstate(exc) == PREPARED_STATEMENT_MISSING and not retried_prepare:
                     retried_prepare = True
                     self._store.forget_prepared(conn)
                     continue  # deallocated under us (DISCARD ALL): prepare it again
-                if exc.pgcode == PREPARED_STATEMENT_EXISTS and not retried_prepare:
+                if sqlstate(exc) == PREPARED_STATEMENT_EXISTS and not retried_prepare:
                     retried_prepare = True
                     continue  # already prepared on this session: now known, execute it
                 # The server answered (a statement or lock timeout, say): the
@@ -359,7 +366,7 @@ class TransactionClaimRequest(PostgresRequest):
             try:
                 row = self._execute(conn, CLAIM_IN_TRANSACTION, params, fetch=True)
                 break
-            except psycopg2.Error as exc:
+            except ERRORS as exc:
                 unreachable = self._unresponsive or is_unreachable(exc, conn)
                 self._drop(peers=unreachable)
                 if unreachable and attempt == 0 and not self._unresponsive:

@@ -13,8 +13,6 @@ import json
 import secrets
 from typing import Any
 
-import psycopg2
-
 from .base import StoredResponse
 
 LEASE_LOST_SQLSTATE = "IK409"
@@ -294,7 +292,7 @@ def headers_from_json(raw: Any) -> tuple[tuple[str, str], ...]:
 def response_params(response: StoredResponse) -> tuple[int, str, Any]:
     """A stored answer as the completion statements take it: the status, the header
     pairs as a JSON array of arrays (each statement casts it to jsonb), the body."""
-    return response.status, json.dumps(response.headers), psycopg2.Binary(response.body)
+    return response.status, json.dumps(response.headers), response.body
 
 
 def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:

@@ -1,0 +1,188 @@
+"""``db.session`` on the request's transaction: Flask-SQLAlchemy and SQLAlchemy.
+
+The central promise is that a view's writes commit together with its stored
+answer, or not at all. A Flask-SQLAlchemy view writes through ``db.session``,
+which on its own opens a connection of its own and commits whenever the view
+says so. With ``Idempotency(app, db=db)`` a claimed attempt instead *joins*
+the session to the attempt's connection, the way SQLAlchemy 2.0 documents
+joining a session to an external transaction
+(``join_transaction_mode="create_savepoint"``):
+
+* the attempt's connection comes from ``db``'s engine (``store/engine_pool.py``)
+  and its transaction is the extension's, the one the answer commits in;
+* the session's ``commit()`` releases a savepoint in that transaction and its
+  ``rollback()`` rolls back to it, so ``rollback()`` discards what came since
+  the last ``commit()`` and leaves the session usable;
+* when the answer is stored, what the session holds is flushed and kept, then
+  the one real ``COMMIT`` stores the answer with it; when the attempt is
+  released (an exception, a 5xx, a ``400``...), a lease is lost, or the worker
+  dies, nothing of it is kept.
+
+Outside a claimed attempt (safe methods, undecorated routes, an optional route
+called without a key) the session is not touched.
+
+Routing is done by the session's ``get_bind``: the sessionmaker's class is
+given a subclass (the one documented way to change a session's binds) whose
+``get_bind`` returns the attempt's connection wherever the application's own
+choice was the engine the extension joined; other binds (a second database)
+are left alone, and are not part of the transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from flask import Flask
+from sqlalchemy import event
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from .store.engine_pool import EnginePool
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import scoped_session
+
+    from .state import RequestState
+
+log = logging.getLogger("flask_idempotency.sqlalchemy")
+
+#: ``Session.info`` and ``Connection.info`` key of a joined attempt.
+JOINED = "flask_idempotency.joined"
+
+
+@dataclasses.dataclass
+class Joined:
+    """One attempt's session, joined to its connection."""
+
+    session: Session
+    connection: SAConnection
+    #: The session's own ``join_transaction_mode``, restored when the attempt ends.
+    previous_mode: Any
+
+
+class SessionJoin:
+    """Joins an application's scoped session to the claimed attempts of one app."""
+
+    def __init__(self, engine: Engine, sessions: scoped_session[Any], pool: EnginePool) -> None:
+        self.engine = engine
+        self.sessions = sessions
+        self.pool = pool
+        factory = sessions.session_factory
+        if not getattr(factory.class_, "_idempotency_joins", False):
+            factory.class_ = _joining(factory.class_)
+        # The attempt's transaction opens lazily, as on the raw path: the first
+        # savepoint the session asks for sends the BEGIN before it.
+        if not event.contains(engine, "savepoint", _begin_before_savepoint):
+            event.listen(engine, "savepoint", _begin_before_savepoint)
+
+    def join(self, ctx: RequestState) -> None:
+        """Make ``db.session`` work on ``ctx``'s transaction until the attempt ends."""
+        assert ctx.tx is not None
+        connection = self.pool.sqlalchemy_connection(ctx.tx.held_connection())
+        if not connection.in_transaction():
+            connection.begin()  # the extension's transaction, as SQLAlchemy sees it
+        connection.info[JOINED] = ctx.tx
+        session = self.sessions()
+        if session.in_transaction():
+            # Work the session began before the claim (an authentication decorator's
+            # query) was on another of the pool's connections: end it; what it loaded
+            # stays usable and reloads on this attempt's connection.
+            session.rollback()
+        previous = session.join_transaction_mode
+        session.join_transaction_mode = "create_savepoint"
+        session.info[JOINED] = connection
+        ctx.session = Joined(session, connection, previous)
+
+    def keep(self, ctx: RequestState) -> None:
+        """The answer will be stored: flush what the session holds and release its
+        savepoint, so the one ``COMMIT`` keeps it. Raises what the flush raises."""
+        joined = ctx.session
+        if isinstance(joined, Joined) and joined.session.in_transaction():
+            joined.session.commit()
+
+    def discard(self, ctx: RequestState) -> None:
+        """The attempt is released: end the session's transaction without keeping it
+        (best effort: the extension's own rollback follows)."""
+        joined = ctx.session
+        if isinstance(joined, Joined) and joined.session.in_transaction():
+            try:
+                joined.session.rollback()
+            except Exception as exc:  # the connection may be gone (an outage)
+                log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
+
+    def leave(self, ctx: RequestState) -> None:
+        """Give the session back as it was; the attempt's transaction is over."""
+        joined = ctx.session
+        if not isinstance(joined, Joined):
+            return
+        ctx.session = None
+        session, connection = joined.session, joined.connection
+        session.info.pop(JOINED, None)
+        session.join_transaction_mode = joined.previous_mode
+        connection.info.pop(JOINED, None)
+        if session.in_transaction():
+            try:
+                session.rollback()
+            except Exception as exc:
+                log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
+        outer = connection.get_transaction()
+        if outer is not None and not connection.closed:
+            try:
+                outer.rollback()  # nothing to send: the extension committed or rolled back
+            except Exception as exc:
+                log.debug("idempotency: connection reset failed: %s", type(exc).__name__)
+
+
+def from_app(
+    app: Flask, db: Any, engine: Engine | None, session: Any
+) -> tuple[EnginePool, SessionJoin | None]:
+    """The pool and the session join for ``init_app(app, db=db)`` (Flask-SQLAlchemy)
+    or ``init_app(app, engine=engine, session=scoped_session)`` (plain SQLAlchemy)."""
+    if db is not None:
+        if engine is not None or session is not None:
+            raise ValueError("give db=, or engine= and session=, not both")
+        if "sqlalchemy" not in app.extensions:
+            raise RuntimeError(
+                "db is not initialised on this app: call db.init_app(app) (or build "
+                "SQLAlchemy(app)) before Idempotency(app, db=db)"
+            )
+        with app.app_context():
+            engine = db.engine
+        session = db.session
+    if not isinstance(engine, Engine):
+        raise TypeError("engine= must be a sqlalchemy.engine.Engine")
+    pool = EnginePool(engine)
+    if session is None:
+        return pool, None
+    if not hasattr(session, "session_factory") or not hasattr(session, "registry"):
+        raise TypeError("session= must be a sqlalchemy.orm.scoped_session")
+    return pool, SessionJoin(engine, session, pool)
+
+
+def _begin_before_savepoint(connection: SAConnection, name: str) -> None:
+    """SQLAlchemy is about to send ``SAVEPOINT`` on a joined attempt's connection:
+    open the attempt's transaction first if the view has not yet."""
+    tx = connection.info.get(JOINED)
+    if tx is not None:
+        tx.connection()
+
+
+def _joining(base: type[Session]) -> type[Session]:
+    """``base`` with a ``get_bind`` that routes a joined attempt to its connection."""
+
+    class JoiningSession(base):  # type: ignore[valid-type,misc]
+        _idempotency_joins = True
+
+        def get_bind(self, mapper: Any = None, clause: Any = None, **kwargs: Any) -> Any:
+            chosen = super().get_bind(mapper=mapper, clause=clause, **kwargs)
+            joined: SAConnection | None = self.info.get(JOINED)
+            if joined is not None and chosen is joined.engine:
+                return joined
+            return chosen
+
+    JoiningSession.__name__ = base.__name__
+    JoiningSession.__qualname__ = base.__qualname__
+    return JoiningSession

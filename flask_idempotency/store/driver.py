@@ -1,0 +1,102 @@
+"""What differs between psycopg2 and psycopg 3, in one place.
+
+The store sends its own statements as one round trip each: ``SET LOCAL``
+timeouts, then the statement, with parameters. psycopg2 binds parameters on
+the client and returns the last statement's result. psycopg 3 binds on the
+server by default, which refuses several statements with parameters; its
+``ClientCursor`` binds on the client like psycopg2, but leaves the *first*
+result current, so the store moves to the last one. Errors carry their
+SQLSTATE as ``pgcode`` in psycopg2 and ``sqlstate`` in psycopg 3.
+
+Everything else the store does (``autocommit``, ``closed``,
+``info.transaction_status``, ``fileno()``, ``close()``) is spelled the same
+by both, so the connection objects themselves pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg2
+import psycopg2.extensions
+
+psycopg: Any
+try:  # psycopg 3: the [psycopg] extra, for SQLAlchemy's postgresql+psycopg dialect
+    import psycopg
+except ImportError:  # pragma: no cover - exercised where psycopg 3 is not installed
+    psycopg = None
+
+#: Every driver error class the store may see (for ``except``).
+ERRORS: tuple[type[Exception], ...] = (psycopg2.Error,)
+#: The connection is closed on our side.
+INTERFACE_ERRORS: tuple[type[Exception], ...] = (psycopg2.InterfaceError,)
+#: libpq reported a failure of the connection or the server.
+OPERATIONAL_ERRORS: tuple[type[Exception], ...] = (psycopg2.OperationalError,)
+if psycopg is not None:
+    ERRORS += (psycopg.Error,)
+    INTERFACE_ERRORS += (psycopg.InterfaceError,)
+    OPERATIONAL_ERRORS += (psycopg.OperationalError,)
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The error's SQLSTATE, whichever driver raised it."""
+    code = getattr(exc, "pgcode", None) or getattr(exc, "sqlstate", None)
+    return str(code) if code else None
+
+
+class Driver:
+    """psycopg2: the driver's own cursor already does what the store needs."""
+
+    name = "psycopg2"
+
+    def cursor(self, conn: Any) -> Any:
+        """A cursor that takes several statements with parameters in one call."""
+        return conn.cursor()
+
+    def execute(self, cur: Any, sql: str, params: Any = None) -> None:
+        """Run ``sql``; the cursor then holds the last statement's result."""
+        cur.execute(sql, params)
+
+
+class Psycopg3Driver(Driver):
+    """psycopg 3: a client-side binding cursor, moved on to the last result."""
+
+    name = "psycopg"
+
+    def cursor(self, conn: Any) -> Any:
+        assert psycopg is not None
+        return psycopg.ClientCursor(conn)
+
+    def execute(self, cur: Any, sql: str, params: Any = None) -> None:
+        cur.execute(sql, params)
+        while cur.nextset():
+            pass
+
+
+PSYCOPG2 = Driver()
+PSYCOPG3 = Psycopg3Driver()
+
+
+def for_connection(conn: Any) -> Driver:
+    """The driver of a DBAPI connection (an application's pool or engine lends it)."""
+    if isinstance(conn, psycopg2.extensions.connection):
+        return PSYCOPG2
+    if psycopg is not None and isinstance(conn, psycopg.Connection):
+        return PSYCOPG3
+    raise TypeError(
+        f"flask_idempotency speaks psycopg2 and psycopg 3, not {type(conn).__module__}"
+    )
+
+
+def for_dialect(driver_name: str) -> Driver:
+    """The driver of a SQLAlchemy dialect (``engine.dialect.driver``)."""
+    if driver_name == "psycopg2":
+        return PSYCOPG2
+    if driver_name == "psycopg":
+        if psycopg is None:
+            raise RuntimeError("postgresql+psycopg needs psycopg 3: pip install 'psycopg[binary]'")
+        return PSYCOPG3
+    raise ValueError(
+        f"flask_idempotency needs the postgresql+psycopg2 or postgresql+psycopg dialect, "
+        f"not postgresql+{driver_name}"
+    )

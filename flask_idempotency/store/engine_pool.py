@@ -1,0 +1,161 @@
+"""The store's connections from a SQLAlchemy engine: one pool per process, not two.
+
+With ``Idempotency(app, db=db)`` the extension opens no connection of its own:
+each request checks one out of ``db``'s engine (``engine.connect()``), the
+same pool, the same DSN, the same connect arguments and events the
+application configured. The store works on the DBAPI connection underneath
+(psycopg2 or psycopg 3) in autocommit mode, as it does on its own pool, and
+the request's ``db.session`` joins the very same connection
+(``flask_idempotency.sqlalchemy``), so the view's writes and the stored
+answer commit together.
+
+A connection goes back to the engine as it came: ``autocommit`` restored, no
+transaction open. One the watchdog cut or the server dropped is invalidated,
+so the engine's pool replaces it instead of handing it to the next request.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import sqlalchemy
+import sqlalchemy.exc
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.engine import Engine
+
+from .base import StoreUnavailableError
+from .driver import ERRORS, for_dialect
+from .errors import connect_failure
+from .pool import Connection, Pool
+
+
+class EnginePool(Pool):
+    """Lends the DBAPI connections of ``engine``'s pool to the store."""
+
+    def __init__(self, engine: Engine) -> None:
+        if engine.dialect.name != "postgresql":
+            raise ValueError(
+                f"flask_idempotency needs PostgreSQL; db's engine is {engine.dialect.name}"
+            )
+        self.engine = engine
+        self.driver = for_dialect(engine.dialect.driver)
+        #: DBAPI connection -> (its SQLAlchemy connection, its own autocommit flag).
+        self._lent: dict[Any, tuple[SAConnection, bool]] = {}
+        self._lock = threading.Lock()
+        self._renewal: Any = None
+        self._renewal_pid = -1
+        self._renewal_lock = threading.Lock()
+
+    # -- request connections ---------------------------------------------------
+
+    def getconn(self) -> Connection:
+        try:
+            sa_conn = self.engine.connect()
+        except sqlalchemy.exc.TimeoutError as exc:
+            if self.observer is not None:
+                self.observer.pool_timeout()
+            raise StoreUnavailableError(f"no free connection in db's pool: {exc}") from exc
+        except sqlalchemy.exc.DBAPIError as exc:
+            cause = exc.orig or exc  # the driver's error, which the store classifies
+            raise StoreUnavailableError(
+                f"cannot connect to PostgreSQL: {connect_failure(cause)}"
+            ) from cause
+        raw: Any = sa_conn.connection.driver_connection
+        try:
+            autocommit = bool(raw.autocommit)
+            raw.autocommit = True
+        except ERRORS as exc:
+            sa_conn.invalidate()
+            sa_conn.close()
+            reason = type(exc).__name__
+            raise StoreUnavailableError(f"unusable pooled connection: {reason}") from exc
+        with self._lock:
+            self._lent[raw] = (sa_conn, autocommit)
+        if self.observer is not None:
+            self.observer.pool_checkout()
+        conn: Connection = raw
+        return conn
+
+    def sqlalchemy_connection(self, raw: Any) -> SAConnection:
+        """The SQLAlchemy connection over a DBAPI connection this pool lent."""
+        with self._lock:
+            return self._lent[raw][0]
+
+    def putconn(self, conn: Connection, *, discard: bool = False) -> None:
+        with self._lock:
+            sa_conn, autocommit = self._lent.pop(conn)
+        try:
+            if not discard and not conn.closed:
+                try:
+                    if conn.info.transaction_status != 0:  # not idle: roll back first
+                        with self.driver.cursor(conn) as cur:
+                            cur.execute("ROLLBACK")
+                    conn.autocommit = autocommit
+                except ERRORS:
+                    discard = True
+            if discard or conn.closed:
+                sa_conn.invalidate()
+            sa_conn.close()
+        finally:
+            if self.observer is not None:
+                self.observer.pool_checkin()
+
+    def discard_idle(self) -> None:
+        """After an outage: the engine's idle connections are as dead as ours were."""
+        self.engine.pool.dispose()
+
+    def capacity(self) -> tuple[int, str] | None:
+        size = getattr(self.engine.pool, "size", None)
+        if not callable(size):
+            return None
+        overflow = getattr(self.engine.pool, "_max_overflow", 0)
+        total = int(size()) + max(0, int(overflow))
+        # The lease keeper keeps one of the engine's connections for itself.
+        return total - 1, "db's engine pool_size + max_overflow (less one kept by the lease keeper)"
+
+    # -- the lease keeper's connection -------------------------------------------
+
+    def renewal_connection(self) -> Connection:
+        with self._renewal_lock:
+            if self._renewal_pid != os.getpid():
+                self._renewal = None  # the parent's, after a fork: not ours to return
+                self._renewal_pid = os.getpid()
+            if self._renewal is not None and self._renewal.driver_connection.closed:
+                self._drop_renewal()
+            if self._renewal is None:
+                try:
+                    fairy = self.engine.raw_connection()
+                except sqlalchemy.exc.DBAPIError as exc:
+                    cause = exc.orig or exc
+                    raise StoreUnavailableError(
+                        f"cannot connect to PostgreSQL: {connect_failure(cause)}"
+                    ) from cause
+                raw: Any = fairy.driver_connection
+                raw.autocommit = True
+                self._renewal = fairy
+            conn: Connection = self._renewal.driver_connection
+            return conn
+
+    def discard_renewal_connection(self) -> None:
+        with self._renewal_lock:
+            self._drop_renewal()
+
+    def _drop_renewal(self) -> None:
+        fairy, self._renewal = self._renewal, None
+        if fairy is not None:
+            fairy.invalidate()
+            fairy.close()
+
+    def close(self) -> None:
+        """Give the keeper's connection back; the engine itself is the app's."""
+        with self._renewal_lock:
+            fairy, self._renewal = self._renewal, None
+            if fairy is not None and self._renewal_pid == os.getpid():
+                try:
+                    if not fairy.driver_connection.closed:
+                        fairy.driver_connection.autocommit = False
+                    fairy.close()
+                except ERRORS:
+                    fairy.invalidate()
