@@ -209,7 +209,7 @@ def test_no_takeover_under_gunicorn_with_more_threads_than_pool_slots(
     conf = tmp_path / "gunicorn.conf.py"
     conf.write_text(GUNICORN_CONF)
     server = gunicorn_server(
-        "test_lease_capacity:create_app()",
+        "core.test_lease_capacity:create_app()",
         workers=2,
         worker_class="gthread",
         threads=12,

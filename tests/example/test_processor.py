@@ -37,7 +37,7 @@ from example_app.processor_client import (
 )
 from example_app.processor_core import FakeProcessor
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

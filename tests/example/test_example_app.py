@@ -30,7 +30,7 @@ from flask_idempotency import keys
 from support.servers import ProxyFactory
 
 BuildApp = Callable[..., Flask]
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TOKEN = "sk_test_alice"
 OTHER_TOKEN = "sk_test_bob"

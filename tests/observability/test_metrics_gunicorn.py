@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support.servers import GunicornFactory, child_pids, http_request
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 3
 POOL_SIZE = 10  # the extension's default IDEMPOTENCY_POOL_SIZE
 AUTH = {"Authorization": "Bearer sk_metrics"}
@@ -107,7 +107,7 @@ def test_scraped_counters_add_up_over_three_workers(
             "DATABASE_URL": clean_db,
             "REDIS_URL": clean_redis,
             "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-            # Every scrape queries the table (tests/test_observability.py checks the
+            # Every scrape queries the table (tests/observability/test_observability.py checks the
             # once-per-interval limit).
             "METRICS_TABLE_STATS_INTERVAL": "0",
         },

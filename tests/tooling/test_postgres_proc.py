@@ -21,7 +21,7 @@ import pytest
 
 from support._files import WORKDIR_PREFIX, remove_tree
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 
 # A process that starts a server the way the process fixture does, watches it, and
 # waits to be killed.

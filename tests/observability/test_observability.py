@@ -4,7 +4,7 @@ Every request to a decorated view ends in exactly one outcome, counted once in
 ``idempotency.metrics()`` and in Prometheus, logged once on
 ``flask_idempotency.requests`` and put on the request's span. The spans and log
 lines carry digests, never the key, the scope or a body. Across gunicorn
-workers: tests/test_metrics_gunicorn.py.
+workers: tests/observability/test_metrics_gunicorn.py.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from example_app.auth import owner_of
 from flask_idempotency import keys
 from support.servers import GunicornServer, HttpResponse, http_request
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BODY: dict[str, Any] = {"amount": 2500, "currency": "eur", "customer": "cus_e2e", "source": "tok"}
 
 #: Short, so the crash test waits seconds, not the default 30: the lease must still
