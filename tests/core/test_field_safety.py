@@ -22,6 +22,7 @@ from werkzeug.test import TestResponse
 
 from flask_idempotency import Idempotency
 from flask_idempotency.route_options import RouteOptions
+from support.waiting import wait_until
 
 AUTH = {"Authorization": "Bearer field-user"}
 TABLE = "CREATE TABLE IF NOT EXISTS field_rows (id bigserial PRIMARY KEY, label text NOT NULL)"
@@ -348,9 +349,7 @@ def test_waiting_duplicates_hold_no_pool_slot_while_they_sleep(
 
     holder = threading.Thread(target=send)
     holder.start()
-    deadline = time.monotonic() + 5
-    while not app.extensions["runs"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: app.extensions["runs"], 5, "the holder to be in its view")
     waiters = [threading.Thread(target=send) for _ in range(4)]
     for waiter in waiters:
         waiter.start()
