@@ -11,7 +11,9 @@ Per test: ``clean_db`` and ``clean_redis`` reset those servers, and the
 factories below give a test its own proxies, gunicorns or servers, closed at
 teardown.  Support code lives in ``tests/support`` and is imported as
 ``support.*`` (pytest puts ``tests/`` on sys.path; there is no
-tests/__init__.py).
+tests/__init__.py). The test files live in folders by area (``core/``,
+``example/``...), each a package, so that two files of one basename in two
+folders are two modules (``core.test_recovery``, ``reliability.test_recovery``).
 """
 
 from __future__ import annotations

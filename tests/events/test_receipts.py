@@ -22,6 +22,7 @@ from example_app.processor_client import InProcessProcessorClient
 from example_app.processor_core import FakeProcessor
 from flask_idempotency import keys
 from flask_idempotency.events import ConsumerWorker
+from support.waiting import wait_until
 
 from .conftest import BrokerNames, query
 
@@ -62,13 +63,6 @@ def list_receipts(client: FlaskClient, token: str = TOKEN, customer: str = "cus_
     return client.get(f"/v1/receipts?customer={customer}", headers=headers).get_json()["data"]
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_created_charge_emits_charge_succeeded_once(build_app: BuildApp, clean_db: str) -> None:
     client = build_app().test_client()
     created = charge(client, "c-1")
@@ -93,7 +87,7 @@ def test_the_embedded_path_writes_one_receipt_per_charge(build_app: BuildApp) ->
     try:
         charges = [charge(client, f"e-{n}").get_json()["id"] for n in range(5)]
         charge(client, "e-0")  # a replay: no second event, no second receipt
-        wait_for(lambda: len(list_receipts(client)) == 5)
+        wait_until(lambda: len(list_receipts(client)) == 5, 10, "five receipts")
         time.sleep(0.2)
     finally:
         events.stop()
@@ -128,7 +122,7 @@ def test_over_rabbitmq_the_relay_and_the_receipts_worker_write_each_receipt_once
         # A duplicate publish of every event (as after a relay crash): acked, not run.
         query(clean_db, "UPDATE idempotency_outbox SET published_at = NULL")
         assert runner.invoke(args=["idempotency", "relay", "--once"]).exit_code == 0
-        wait_for(lambda: worker.counts["duplicate"] == 5)
+        wait_until(lambda: worker.counts["duplicate"] == 5, 10, "five duplicates")
     finally:
         stop.set()
         thread.join(10)
@@ -143,7 +137,11 @@ def test_events_embedded_starts_the_embedded_path_in_the_web_process(build_app: 
     client = app.test_client()
     try:
         charge_id = charge(client, "w-1").get_json()["id"]
-        wait_for(lambda: [r["charge"] for r in list_receipts(client)] == [charge_id])
+        wait_until(
+            lambda: [r["charge"] for r in list_receipts(client)] == [charge_id],
+            10,
+            "the charge's one receipt",
+        )
     finally:
         app.extensions[receipts.EMBEDDED_KEY].stop()
 
@@ -170,7 +168,7 @@ def test_the_receipts_service_without_amqp_url_relays_in_one_process(
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_for(lambda: len(list_receipts(client)) == 3, timeout=20)
+        wait_until(lambda: len(list_receipts(client)) == 3, 20, "three receipts")
     finally:
         service.send_signal(signal.SIGTERM)
         output = service.communicate(timeout=20)[0].decode(errors="replace")

@@ -29,6 +29,7 @@ from flask_idempotency import keys
 from support._files import make_workdir, remove_tree
 from support._procs import spawn, stop_process
 from support.servers import GunicornFactory, GunicornServer, ProxyFactory, http_request
+from support.waiting import wait_until
 
 from .conftest import BrokerNames, query, take_all
 
@@ -153,19 +154,21 @@ def create_charges(url: str, count: int, run: str, pace: float) -> list[str]:
 
 def settle(database_url: str, charges: int, timeout: float = 60.0) -> None:
     """Wait until every charge has its receipt and nothing is pending or processing."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        receipts = query(database_url, "SELECT count(*) FROM receipts")[0][0]
-        pending = query(
+    seen: dict[str, int] = {}
+
+    def settled() -> bool:
+        seen["receipts"] = query(database_url, "SELECT count(*) FROM receipts")[0][0]
+        seen["pending"] = query(
             database_url, "SELECT count(*) FROM idempotency_outbox WHERE published_at IS NULL"
         )[0][0]
-        processing = query(
+        seen["processing"] = query(
             database_url, "SELECT count(*) FROM idempotency_records WHERE state = 'processing'"
         )[0][0]
-        if receipts >= charges and pending == 0 and processing == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not settled: receipts={receipts}/{charges} pending={pending}")
+        return seen["receipts"] >= charges and seen["pending"] == seen["processing"] == 0
+
+    wait_until(
+        settled, timeout, f"{charges} receipts, nothing pending", describe=lambda: f"last: {seen}"
+    )
 
 
 def consumer_claims_in_flight(database_url: str) -> int:

@@ -23,6 +23,7 @@ from flask import Flask
 from flask_idempotency.events import Publisher, Relay
 from flask_idempotency.events.amqp import Backoff
 from support.servers import ProxyFactory
+from support.waiting import wait_until
 
 from .conftest import BrokerNames, bind_queue, emit_many, query, take_all
 
@@ -207,15 +208,13 @@ def test_a_broker_cut_mid_stream_loses_nothing_and_the_relay_recovers(
     thread.start()
     try:
         ids = emit_many(app, 20)
-        time.sleep(0.3)
+        wait_until(lambda: relay.stats.published > 0, 15, "the relay to be publishing")
         proxy.cut()
         ids += emit_many(app, 30)  # emitted while the broker is away
-        time.sleep(1.0)
+        wait_until(lambda: relay.stats.outages > 0, 15, "the relay to meet the outage")
         assert pending(clean_db) > 0
         proxy.restore()
-        deadline = time.monotonic() + 15
-        while pending(clean_db) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not pending(clean_db), 15, "the relay to publish the backlog")
     finally:
         stop.set()
         thread.join(10)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +36,7 @@ from example_app.auth import owner_of
 from flask_idempotency import keys
 from support.gunicorn_server import GunicornServer
 from support.http_client import http_request
+from support.waiting import wait_until
 
 from .figures import Figures
 from .load import Answer, Call, Connections, charge_body, charge_call, retry_until_final
@@ -136,27 +137,6 @@ def kill_all_workers(stack: Stack) -> int:
     return len(killed)
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def wait_for_dead_leases(stack: Stack) -> None:
-    """Until every processing record's lease has ended (their holders are dead)."""
-    wait_for(
-        lambda: (
-            stack.query(
-                "SELECT count(*) FROM idempotency_records"
-                " WHERE state = 'processing' AND lease_expires_at > now()"
-            )[0][0]
-            == 0
-        ),
-        "the dead holders' leases to end",
-    )
-
-
 def charges_made(stack: Stack, customer_prefix: str) -> int:
     return sum(stack.processor_counts(customer_prefix)[1].values())
 
@@ -194,13 +174,13 @@ def test_abandoned_charges_are_recovered_or_released_and_then_replayed(
         # Charged, then lingering before the commit (the oldest leases: the completer
         # starts with these, while their clients retry).
         cut = [pool.submit(connections.send, call_for("race", n)) for n in range(4)]
-        wait_for(lambda: charges_made(stack, run_id) == 4, "the race group's charges")
+        wait_until(lambda: charges_made(stack, run_id) == 4, 20, "the race group's charges")
         # Calls the processor hangs on without ever seeing them (a fault in front of it).
         stack.control(fail_next=4, fail_mode="timeout", hang_seconds=8)
         cut += [pool.submit(connections.send, call_for("unseen", n)) for n in range(4)]
-        wait_for(lambda: failures_left(stack) == 0, "the unseen group at the processor")
+        wait_until(lambda: failures_left(stack) == 0, 20, "the unseen group at the processor")
         cut += [pool.submit(connections.send, call_for("no_retry", n)) for n in range(4)]
-        wait_for(lambda: charges_made(stack, run_id) == 8, "the no_retry group's charges")
+        wait_until(lambda: charges_made(stack, run_id) == 8, 20, "the no_retry group's charges")
         # Every charged request is in the drill's window (DRILL after its answer).
         killed = kill_all_workers(stack)
         during = [future.result(30) for future in cut]
@@ -210,7 +190,7 @@ def test_abandoned_charges_are_recovered_or_released_and_then_replayed(
         assert all(a.status == 0 for a in during), [a.describe() for a in during]
         assert sum(charged.values()) == 8, "the charged attempts were not all charged"
         assert stack.charge_rows(run_id) == Counter(), "a charge was recorded before the kill"
-        wait_for_dead_leases(stack)
+        stack.end_leases()  # its holders are dead
         stats_before = cli_stats(stack)
 
         # The completer and the "race" group's clients, at the same time. Two clients
@@ -222,8 +202,9 @@ def test_abandoned_charges_are_recovered_or_released_and_then_replayed(
         early, late = groups["race"][:2], groups["race"][2:]
         completer = pool.submit(run_recover, stack, "--batch-size", "2")
         first = pool.submit(retry_until_final, connections, [calls[k] for k in early], deadline=30)
-        wait_for(
+        wait_until(
             lambda: taken_over(stack, [keys.record_key(owner, k) for k in late]),
+            20,
             "the completer's takeover",
         )
         raced, race_retries = retry_until_final(connections, [calls[k] for k in late], deadline=30)
@@ -344,11 +325,13 @@ def test_orders_killed_after_each_phase_resume_without_repeating_a_step(
                 calls[key] = charge_call(api_key, key, body, path="/v1/orders")
                 by_phases[phases].append(key)
                 cut.append(pool.submit(connections.send, calls[key]))
-        wait_for(lambda: phases_reached(stack, owner, by_phases), "the phases before the kill")
+        wait_until(
+            lambda: phases_reached(stack, owner, by_phases), 20, "the phases before the kill"
+        )
         killed = kill_all_workers(stack)
         assert all(future.result(30).status == 0 for future in cut)
         steps_before = step_calls(stack, fulfilment, owner, calls)
-        wait_for_dead_leases(stack)
+        stack.end_leases()  # its holders are dead
 
         # One order of each group comes back through its client, the other through
         # the completer, at the same time.

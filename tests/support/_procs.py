@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -150,21 +149,6 @@ def stop_process(proc: subprocess.Popen[bytes], steps: Sequence[tuple[int, float
     except (ProcessLookupError, PermissionError):
         pass
     return proc.wait()
-
-
-def wait_until(
-    ready: Callable[[], bool],
-    *,
-    timeout: float,
-    describe: Callable[[], str],
-    interval: float = 0.02,
-) -> None:
-    """Poll ``ready`` until it is true; on timeout raise with ``describe()``."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s: {describe()}")
-        time.sleep(interval)
 
 
 def log_tail(path: Path, max_lines: int = 60, start: int = 0) -> str:

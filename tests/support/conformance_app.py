@@ -4,7 +4,7 @@ anyonce (github.com/sns45/anyonce, ``conformance/README.md``) describes the
 fixture any implementation mounts so that its vectors can run: ``/echo``,
 ``/status/<code>``, ``/slow``, ``/large``, ``/counter`` and ``/reset``, every
 POST counting one handler invocation. This is that fixture, written for
-Flask; ``tests/test_conformance.py`` states the vectors' expectations.
+Flask; ``tests/core/test_conformance.py`` states the vectors' expectations.
 
 Served by gunicorn (one worker: the counter is per process, as the suite
 expects). ``CONFORMANCE_PROFILE`` picks the profile, ``CONFORMANCE_STORE_ALL``

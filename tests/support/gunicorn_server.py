@@ -27,10 +27,10 @@ from ._procs import (
     spawn,
     stop_process,
     tcp_answers,
-    wait_until,
 )
 from .http_client import http_request
 from .lifecycle import StartsOnEnter
+from .waiting import wait_until
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
@@ -181,7 +181,8 @@ class GunicornServer(StartsOnEnter):
             try:
                 wait_until(
                     self._ready,
-                    timeout=self.startup_timeout,
+                    self.startup_timeout,
+                    "gunicorn to answer",
                     describe=functools.partial(self._tail, log_start),
                 )
             except TimeoutError:

@@ -22,8 +22,9 @@ from urllib.parse import unquote, urlsplit
 import psycopg2
 
 from ._files import chown_tree, make_workdir, remove_tree, unprivileged_user
-from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process, wait_until
+from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process
 from .lifecycle import StartsOnEnter
+from .waiting import wait_until
 
 #: Where Debian puts the binary, outside a non-root user's PATH.
 _SBIN = (Path("/usr/sbin/pgbouncer"), Path("/usr/local/sbin/pgbouncer"))
@@ -153,7 +154,8 @@ class ThrowawayPgBouncer(StartsOnEnter):
         try:
             wait_until(
                 lambda: proc.poll() is not None or self._answers(),
-                timeout=self.startup_timeout,
+                self.startup_timeout,
+                "PgBouncer to answer",
                 describe=lambda: log_tail(self.log_path, start=log_start),
             )
         except TimeoutError:

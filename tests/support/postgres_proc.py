@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from ._files import RunAs, chown_tree, make_workdir, remove_tree, unprivileged_user
-from ._procs import at_exit, log_tail, spawn, stop_process, wait_until
+from ._procs import at_exit, log_tail, spawn, stop_process
 from .postgres_install import find_bindir, usable_bindir
+from .waiting import wait_until
 
 #: Options of the run-wide server, passed through pg_ctl's ``-o``: TCP on loopback
 #: only and no Unix socket, as for ThrowawayPostgres. (pytest-postgresql adds ``-F``,
@@ -148,8 +149,9 @@ def watchdog(server: Any) -> Iterator[None]:
         # Until it blocks the signal, a death signal would kill it before it acts.
         wait_until(
             lambda: proc.poll() is not None or "watching" in log_path.read_text(),
-            timeout=30,
-            describe=lambda: f"the server's watchdog did not start: {log_tail(log_path)}",
+            30,
+            "the server's watchdog to start",
+            describe=lambda: log_tail(log_path),
         )
         if proc.poll() is not None:
             raise RuntimeError(f"the server's watchdog exited: {log_tail(log_path)}")

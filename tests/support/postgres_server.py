@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Literal
 
 from ._files import chown_tree, make_workdir, remove_tree, unprivileged_user, world_accessible
-from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process, wait_until
+from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process
 from .lifecycle import StartsOnEnter
 from .postgres_install import find_bindir, server_env, template_cluster, usable_bindir
+from .waiting import wait_until
 
 # Settings for every throwaway server.  Only what a throwaway server needs to
 # differ from a production one: TCP on loopback only, no Unix socket (its path
@@ -170,7 +171,12 @@ class ThrowawayPostgres(StartsOnEnter):
             return self._postmaster_status(proc.pid) in self.ready_states
 
         try:
-            wait_until(ready, timeout=self.startup_timeout, describe=lambda: self._tail(log_start))
+            wait_until(
+                ready,
+                self.startup_timeout,
+                "PostgreSQL to accept connections",
+                describe=lambda: self._tail(log_start),
+            )
         except TimeoutError:
             self.stop("immediate")
             raise

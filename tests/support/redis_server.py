@@ -23,9 +23,9 @@ from ._procs import (
     log_tail,
     spawn,
     stop_process,
-    wait_until,
 )
 from .lifecycle import StartsOnEnter
+from .waiting import wait_until
 
 
 def find_redis_server() -> Path:
@@ -121,7 +121,12 @@ class ThrowawayRedis(StartsOnEnter):
             return proc.poll() is not None or redis_answers(self.host, self.port)
 
         try:
-            wait_until(ready, timeout=self.startup_timeout, describe=lambda: self._tail(log_start))
+            wait_until(
+                ready,
+                self.startup_timeout,
+                "Redis to answer",
+                describe=lambda: self._tail(log_start),
+            )
         except TimeoutError:
             self.stop()
             raise

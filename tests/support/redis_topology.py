@@ -19,8 +19,9 @@ from typing import Any
 import redis
 
 from ._files import make_workdir, remove_tree
-from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process, wait_until
+from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process
 from .redis_server import find_redis_server, redis_answers
+from .waiting import wait_until
 
 #: A cluster node or a sentinel decides a peer is down after this long (ms).
 DOWN_AFTER_MS = 1500
@@ -60,7 +61,8 @@ class Node:
         proc = self.proc = spawn(argv, log_path=self.log, cwd=self.dir, death_signal=signal.SIGKILL)
         wait_until(
             lambda: proc.poll() is not None or redis_answers(LOOPBACK, self.port),
-            timeout=15,
+            15,
+            "the Redis node to answer",
             describe=lambda: log_tail(self.log),
         )
         if proc.poll() is not None:
@@ -130,10 +132,12 @@ class RedisCluster(_Group):
         )  # fmt: skip
         if created.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed:\n{created.stdout}")
-        wait_until(self.healthy, timeout=30, describe=lambda: self.info())
+        wait_until(self.healthy, 30, "the cluster to be healthy", describe=lambda: self.info())
         # A replica that has not synced yet refuses to fail over (its data is "too
         # old"): wait until each has its master's link up.
-        wait_until(self._replicas_synced, timeout=30, describe=lambda: str(self.roles()))
+        wait_until(
+            self._replicas_synced, 30, "the replicas to sync", describe=lambda: str(self.roles())
+        )
         return self
 
     def _replicas_synced(self) -> bool:
@@ -186,7 +190,8 @@ class RedisCluster(_Group):
         master.kill()
         wait_until(
             lambda: self.healthy() and len(self.master_nodes()) == self.masters,
-            timeout=timeout,
+            timeout,
+            "the cluster's failover",
             describe=lambda: f"before {before}: {self.info()}",
         )
 
@@ -208,7 +213,8 @@ class SentinelPair(_Group):
         ).start()
         wait_until(
             lambda: self.replica.client().info("replication").get("master_link_status") == "up",
-            timeout=15,
+            15,
+            "the replica's link to its master",
             describe=lambda: log_tail(self.replica.log),
         )
         for i in range(3):
@@ -219,7 +225,7 @@ class SentinelPair(_Group):
                 f"sentinel failover-timeout {self.service} 5000\n"
             )
             self.sentinels.append(node)
-        wait_until(self._sentinels_agree, timeout=20, describe=lambda: "sentinels not ready")
+        wait_until(self._sentinels_agree, 20, "the sentinels to agree")
         return self
 
     def _sentinels_agree(self) -> bool:
@@ -262,6 +268,6 @@ class SentinelPair(_Group):
             except (redis.RedisError, StopIteration):
                 return False
 
-        wait_until(switched, timeout=timeout, describe=lambda: "sentinel failover did not finish")
+        wait_until(switched, timeout, "the sentinel failover")
         time.sleep(0.2)
         return self.master_port()

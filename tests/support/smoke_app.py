@@ -1,4 +1,4 @@
-"""A user's own app on an installed flask-idempotency: what tests/test_install.py runs.
+"""A user's own app on an installed flask-idempotency: what tests/tooling/test_install.py runs.
 
 Written as someone who did ``pip install flask-idempotency`` would write it: it
 imports only Flask and the installed package (nothing from this repository's

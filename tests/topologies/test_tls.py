@@ -26,10 +26,11 @@ from flask import Flask, jsonify, request
 
 from flask_idempotency import Idempotency, global_scope
 from support._files import make_workdir, remove_tree
-from support._procs import LOOPBACK, free_port, log_tail, spawn, stop_process, wait_until
+from support._procs import LOOPBACK, free_port, log_tail, spawn, stop_process
 from support.postgres_server import ThrowawayPostgres
 from support.redis_server import find_redis_server
 from support.tls_ca import Authority, make_authority
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.topology
 
@@ -117,7 +118,8 @@ class TlsRedis:
         try:
             wait_until(
                 lambda: self.proc.poll() is not None or self._answers(),
-                timeout=10,
+                10,
+                "the TLS server to answer",
                 describe=lambda: log_tail(self.log_path),
             )
         except TimeoutError:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 from example_app.embedded import embedded_postgres_pid, stop_embedded_postgres
 from support.gunicorn_server import REPO_ROOT, GunicornServer
 from support.http_client import http_request
+from support.waiting import wait_until
 
 CHARGE = {"amount": 1500, "currency": "usd", "customer": "cus_embedded", "source": "tok_visa"}
 
@@ -23,14 +23,6 @@ CHARGE = {"amount": 1500, "currency": "usd", "customer": "cus_embedded", "source
 def _charge(server: GunicornServer, key: str) -> int:
     headers = {"Authorization": "Bearer sk_test_embedded", "Idempotency-Key": key}
     return http_request("POST", server.url + "/v1/charges", json=CHARGE, headers=headers).status
-
-
-def _wait_for(condition: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting until {what}")
-        time.sleep(0.05)
 
 
 def test_ctrl_c_stops_the_embedded_postgres_the_master_started(tmp_path: Path) -> None:
@@ -58,7 +50,7 @@ def test_ctrl_c_stops_the_embedded_postgres_the_master_started(tmp_path: Path) -
             server.kill_worker(victim, sig)
             server.wait_for_workers(exclude=[victim], timeout=30)
             assert embedded_postgres_pid(str(instance)) == postgres
-        _wait_for(
+        wait_until(
             lambda: http_request("GET", server.url + "/healthz").status == 200,
             30,
             "the replaced workers serve",
@@ -69,8 +61,8 @@ def test_ctrl_c_stops_the_embedded_postgres_the_master_started(tmp_path: Path) -
         # Ctrl-C: the terminal signals the whole foreground process group (gunicorn runs
         # in its own here); PostgreSQL is not in it, as pg_ctl detached it.
         os.killpg(server.master_pid, signal.SIGINT)
-        _wait_for(lambda: not server.running, 60, "gunicorn's master exits")
-        _wait_for(
+        wait_until(lambda: not server.running, 60, "gunicorn's master exits")
+        wait_until(
             lambda: embedded_postgres_pid(str(instance)) is None,
             30,
             "the embedded PostgreSQL is gone",
@@ -98,7 +90,7 @@ def test_sigterm_stops_it_unless_another_master_started_it(tmp_path: Path) -> No
         assert embedded_postgres_pid(str(instance)) == postgres
         assert "left running on exit" in second.log_text()
         first.stop()  # SIGTERM
-        _wait_for(lambda: embedded_postgres_pid(str(instance)) is None, 30, "it is gone")
+        wait_until(lambda: embedded_postgres_pid(str(instance)) is None, 30, "it is gone")
     finally:
         second.close()
         first.close()

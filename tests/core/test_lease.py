@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg2
 from flask import Flask
 from werkzeug.test import TestResponse
+
+from support.records import wait_for_renewal
 
 MakeApp = Callable[..., Flask]
 SAME_REQUEST = {"IDEMPOTENCY_FINGERPRINT_FUNC": lambda request: b"same request"}
@@ -85,7 +86,7 @@ def test_keeper_renews_the_lease_of_a_slow_live_request(
 ) -> None:
     app = make_app(IDEMPOTENCY_LEASE=1.0, IDEMPOTENCY_LEASE_RENEW_INTERVAL=0.2, **SAME_REQUEST)
     thread, first = start_holder(app, "slow")
-    time.sleep(1.6)  # past the original lease; real time, since the keeper is a real thread
+    wait_for_renewal(database_url)  # instead of sleeping past the original lease
     duplicate = post(app, {})
     assert duplicate.status_code == 409
     assert duplicate.get_json()["error"]["code"] == "in_progress"

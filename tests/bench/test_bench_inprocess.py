@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import inprocess  # noqa: E402
 from benchmarks.app import REQUEST_BODY  # noqa: E402

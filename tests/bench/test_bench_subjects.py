@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from werkzeug.test import TestResponse
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import __main__ as runner  # noqa: E402
 from benchmarks import app as bench_app  # noqa: E402

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,9 @@ import psycopg2
 import pytest
 
 from support._files import WORKDIR_PREFIX, remove_tree
+from support.waiting import wait_until
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 
 # A process that starts a server the way the process fixture does, watches it, and
 # waits to be killed.
@@ -88,10 +88,7 @@ def test_a_killed_run_does_not_leave_its_server_running(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGKILL)  # no teardown, no atexit: only the watchdog is left
         proc.communicate(timeout=30)
-    deadline = time.monotonic() + 20
-    while _answers(port):
-        assert time.monotonic() < deadline, "the server outlived the killed process"
-        time.sleep(0.1)
+    wait_until(lambda: not _answers(port), 20, "the server to stop with the killed process")
     # What a killed run cannot delete, the next run's sweep would; do it now.
     for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
         owner = workdir / "owner.pid"

@@ -4,14 +4,13 @@ Every request to a decorated view ends in exactly one outcome, counted once in
 ``idempotency.metrics()`` and in Prometheus, logged once on
 ``flask_idempotency.requests`` and put on the request's span. The spans and log
 lines carry digests, never the key, the scope or a body. Across gunicorn
-workers: tests/test_metrics_gunicorn.py.
+workers: tests/observability/test_metrics_gunicorn.py.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from flask_idempotency.observability.prometheus import PrometheusMetrics, TableS
 from flask_idempotency.observability.tracing import OpenTelemetryTracing
 from flask_idempotency.store import StoreUnavailableError
 from support.core_app import CLIENT_AUTHORIZATION
+from support.waiting import wait_until
 
 MakeApp = Callable[..., Flask]
 SAME_REQUEST = {"IDEMPOTENCY_FINGERPRINT_FUNC": lambda request: b"same request"}
@@ -271,10 +271,11 @@ def test_takeovers_lease_losses_and_renewals(
     renewals = CollectorRegistry()
     PrometheusMetrics(renewing, registry=renewals)
     holder, _ = start_holder(renewing, "renewed", SECRET + "-renewed")
-    deadline = time.monotonic() + 5
-    while sample(renewals, "flask_idempotency_lease_renewals_total") < 2:
-        assert time.monotonic() < deadline, "no renewal was reported"
-        time.sleep(0.02)
+    wait_until(
+        lambda: sample(renewals, "flask_idempotency_lease_renewals_total") >= 2,
+        5,
+        "two renewals to be reported",
+    )
     assert sample(renewals, "flask_idempotency_claims_in_flight") == 1
     renewing.extensions["gates"].get("renewed").set()
     holder.join(10)
@@ -420,10 +421,11 @@ def test_pool_waits_and_timeouts(make_app: MakeApp, registry: CollectorRegistry)
         assert sample(registry, "flask_idempotency_pool_connections_in_use") == 1
         waiter = threading.Thread(target=lambda: post(app, {}, SECRET))
         waiter.start()
-        deadline = time.monotonic() + 5
-        while sample(registry, "flask_idempotency_pool_waiting_requests") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(
+            lambda: sample(registry, "flask_idempotency_pool_waiting_requests") >= 1,
+            5,
+            "the request to wait for the pool",
+        )
         waiter.join(10)
     assert sample(registry, "flask_idempotency_pool_waiting_requests") == 0
     assert sample(registry, "flask_idempotency_pool_timeouts_total") == 1

@@ -11,7 +11,6 @@ until both claimers wait on it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import psycopg2
@@ -20,6 +19,7 @@ from flask import Flask
 
 from flask_idempotency import flow
 from flask_idempotency.store.base import Claimed, ClaimResult, Existing
+from support.waiting import wait_until
 
 MakeApp = Callable[..., Flask]
 RECORD = b"r" * 32
@@ -41,19 +41,18 @@ def _insert_expired_completed(database_url: str, fingerprint: bytes) -> None:
 def _wait_for_lock_waiters(database_url: str, count: int) -> None:
     conn = psycopg2.connect(database_url)
     conn.autocommit = True
+
+    def queued() -> bool:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            row = cur.fetchone()
+        return row is not None and row[0] >= count
+
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with conn.cursor() as cur:
-                cur.execute(
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                )
-                row = cur.fetchone()
-            if row is not None and row[0] >= count:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"{count} claimers never queued on the row lock")
+        wait_until(queued, 10, f"{count} claimers to queue on the row lock")
     finally:
         conn.close()
 

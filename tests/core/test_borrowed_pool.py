@@ -11,7 +11,6 @@ on the connections requests hold.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,8 @@ import psycopg2
 import psycopg2.extensions
 import psycopg2.pool
 from flask import Flask
+
+from support.records import wait_for_renewal
 
 MakeApp = Callable[..., Flask]
 
@@ -150,7 +151,7 @@ def test_the_keeper_renews_on_a_connection_it_keeps_from_the_borrowed_pool(
         gates = app.extensions["gates"]
         try:
             assert gates.entered_event("g").wait(10)
-            time.sleep(1.6)  # past the first lease
+            wait_for_renewal(clean_db)  # the keeper has its connection, and has used it
             assert len(pool.out) == 2  # the request's connection and the keeper's
             duplicate = post(app, "k")
             assert duplicate.status_code == 409

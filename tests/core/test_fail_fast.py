@@ -27,7 +27,9 @@ from flask import Flask, Response, jsonify
 
 from flask_idempotency import Idempotency
 from support import core_app
+from support.records import end_leases, wait_for_renewal
 from support.servers import ProxyFactory, TcpProxy
+from support.waiting import wait_until
 
 MakeApp = Callable[..., Flask]
 
@@ -202,24 +204,23 @@ def test_a_renewal_during_a_stall_does_not_hang_the_keeper(
     gates = app.extensions["gates"]
     try:
         assert gates.entered_event("g").wait(10)
-        time.sleep(0.5)  # a renewal or two on the keeper's connection
+        wait_for_renewal(clean_db)  # the keeper's connection is open and in use
         caplog.clear()
         proxy.stall()
         # Each round the keeper thread gives up and logs: the first after the
         # deadline (2 s), the next on the connect timeout (2 s). A thread stuck in
         # its first renewal would log nothing.
         started = time.monotonic()
-        while len(renewal_failures(caplog)) < 2 and time.monotonic() - started < PROMPT:
-            time.sleep(0.1)
+        wait_until(
+            lambda: len(renewal_failures(caplog)) >= 2,
+            PROMPT,
+            "two renewal rounds given up (a keeper hung on a silent database gives up none)",
+        )
         elapsed = time.monotonic() - started
         rounds = len(renewal_failures(caplog))
         print(f"renewal rounds given up during {elapsed:.2f} s of stall: {rounds}")
-        assert len(renewal_failures(caplog)) >= 2, "the keeper thread hangs on a silent database"
         proxy.resume()
-        [(before,)] = sql(clean_db, "SELECT lease_expires_at FROM idempotency_records")
-        time.sleep(1.0)
-        [(after,)] = sql(clean_db, "SELECT lease_expires_at FROM idempotency_records")
-        assert after > before  # renewing again, on a new connection
+        wait_for_renewal(clean_db, timeout=PROMPT)  # renewing again, on a new connection
     finally:
         gates.get("g").set()
         thread.join(15)
@@ -296,7 +297,7 @@ def test_a_completion_waiting_on_a_locked_row_answers_503(make_app: MakeApp, cle
     assert_store_unavailable(answers[0])
     assert elapsed < 4  # the completion's lock wait, then the release's
     assert sql(clean_db, "SELECT count(*) FROM core_business_rows") == [(0,)]
-    time.sleep(1.1)  # the claim the release could not delete runs out
+    end_leases(clean_db)  # the claim the release could not delete, as once its lease ran out
     retry = client.post("/gated", headers={"Idempotency-Key": "k"})
     assert retry.status_code == 201
     assert sql(clean_db, "SELECT count(*) FROM core_business_rows") == [(1,)]

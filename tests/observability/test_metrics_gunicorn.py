@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.servers import GunicornFactory, child_pids, http_request
+from support.waiting import wait_until
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 3
 POOL_SIZE = 10  # the extension's default IDEMPOTENCY_POOL_SIZE
 AUTH = {"Authorization": "Bearer sk_metrics"}
@@ -84,10 +84,12 @@ def requests_by_worker(metrics_dir: Path) -> dict[int, int]:
 
 def wait_for_every_worker(url: str) -> None:
     """gunicorn answers once one worker is up; each adds its pool when its app is built."""
-    deadline = time.monotonic() + 30
-    while value(scrape(url), "flask_idempotency_pool_connections_max") < WORKERS * POOL_SIZE:
-        assert time.monotonic() < deadline, "not every worker built its app"
-        time.sleep(0.05)
+    wait_until(
+        lambda: value(scrape(url), "flask_idempotency_pool_connections_max")
+        >= WORKERS * POOL_SIZE,
+        30,
+        "every worker to build its app",
+    )
 
 
 def test_scraped_counters_add_up_over_three_workers(
@@ -107,7 +109,7 @@ def test_scraped_counters_add_up_over_three_workers(
             "DATABASE_URL": clean_db,
             "REDIS_URL": clean_redis,
             "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-            # Every scrape queries the table (tests/test_observability.py checks the
+            # Every scrape queries the table (tests/observability/test_observability.py checks the
             # once-per-interval limit).
             "METRICS_TABLE_STATS_INTERVAL": "0",
         },
@@ -177,18 +179,16 @@ def test_scraped_counters_add_up_over_three_workers(
     # replacement worker's pool joins the sum.
     victim = child_pids(server.master_pid)[0]
     os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 15
-    while victim in child_pids(server.master_pid) or len(
-        child_pids(server.master_pid)
-    ) < WORKERS:
-        assert time.monotonic() < deadline, "gunicorn did not replace the killed worker"
-        time.sleep(0.05)
+    wait_until(
+        lambda: victim not in child_pids(server.master_pid)
+        and len(child_pids(server.master_pid)) >= WORKERS,
+        15,
+        "gunicorn to replace the killed worker",
+    )
     assert not list(metrics_dir.glob(f"gauge_livesum_{victim}.db"))
     assert http_request("GET", url + "/healthz").status == 200
     samples = scrape(url)
     assert by_outcome(samples) == sent
-    while value(samples, "flask_idempotency_pool_connections_max") < WORKERS * POOL_SIZE:
-        assert time.monotonic() < deadline, "the new worker's pool never showed up"
-        time.sleep(0.1)
-        samples = scrape(url)
+    wait_for_every_worker(url)  # the new worker's pool too
+    samples = scrape(url)
     assert value(samples, "flask_idempotency_pool_connections_max") == WORKERS * POOL_SIZE

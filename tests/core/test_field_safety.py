@@ -22,6 +22,7 @@ from werkzeug.test import TestResponse
 
 from flask_idempotency import Idempotency
 from flask_idempotency.route_options import RouteOptions
+from support.waiting import wait_until
 
 AUTH = {"Authorization": "Bearer field-user"}
 TABLE = "CREATE TABLE IF NOT EXISTS field_rows (id bigserial PRIMARY KEY, label text NOT NULL)"
@@ -146,7 +147,8 @@ def make_field_app(clean_db: str) -> Iterator[MakeApp]:
         @idempotency.required(ttl=1.5, lease=1.0)
         def slow() -> Response:
             write_row("slow")
-            time.sleep(float(request.get_json()["sleep"]))
+            if request.get_json().get("gated"):
+                app.extensions["gate"].wait(10)
             return jsonify(done=True)
 
         @app.post("/gated")
@@ -320,18 +322,28 @@ def test_a_view_slower_than_its_ttl_is_neither_taken_over_nor_purged(
     make_field_app: MakeApp, clean_db: str
 ) -> None:
     app, _ = make_field_app(IDEMPOTENCY_LEASE_RENEW_INTERVAL=0.25)
+    app.extensions["gate"] = threading.Event()
     result: list[TestResponse] = []
-    slow = threading.Thread(target=lambda: result.append(post(app, "/slow", {"sleep": 3})))
+    slow = threading.Thread(target=lambda: result.append(post(app, "/slow", {"gated": 1})))
     slow.start()
-    time.sleep(2.2)  # past the route's 1.5 s TTL, the lease renewed all along
-    other_body = post(app, "/slow", {"sleep": 0})
+    wait_until(lambda: app.extensions["runs"], 5, "the view to start")
+    # Past the route's 1.5 s TTL while the view still runs: each renewal must carry
+    # the record's expiry along with its lease.
+    sql(clean_db, "UPDATE idempotency_records SET expires_at = now() - interval '1 second'")
+    wait_until(
+        lambda: sql(clean_db, "SELECT expires_at > now() FROM idempotency_records") == [(True,)],
+        5,
+        "a renewal to move the record's expiry past now",
+    )
+    other_body = post(app, "/slow", {})
     assert other_body.status_code == 422, other_body.data
     runner = app.test_cli_runner()
     purged = runner.invoke(args=["idempotency", "purge"])
     assert "0 expired record(s) deleted" in purged.output
+    app.extensions["gate"].set()
     slow.join(10)
     assert result[0].status_code == 200
-    replay = post(app, "/slow", {"sleep": 3})
+    replay = post(app, "/slow", {"gated": 1})
     assert replay.headers["Idempotent-Replayed"] == "true"
     assert app.extensions["runs"] == ["slow"]
 
@@ -348,9 +360,7 @@ def test_waiting_duplicates_hold_no_pool_slot_while_they_sleep(
 
     holder = threading.Thread(target=send)
     holder.start()
-    deadline = time.monotonic() + 5
-    while not app.extensions["runs"] and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: app.extensions["runs"], 5, "the holder to be in its view")
     waiters = [threading.Thread(target=send) for _ in range(4)]
     for waiter in waiters:
         waiter.start()

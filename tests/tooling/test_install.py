@@ -45,7 +45,7 @@ from typing import Any
 import pytest
 import redis
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE_APP = REPO_ROOT / "tests" / "support" / "smoke_app.py"
 DIST_NAME = "flask_idempotency"
 

@@ -50,8 +50,8 @@ from flask_idempotency.store.base import Claimed
 
 # The benchmarks package is not installed (it is not part of the
 # distribution); `python -m pytest` from the root finds it, plain `pytest` needs this.
-if str(Path(__file__).resolve().parents[1]) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.app import (  # noqa: E402
     CHARGES_PATH,

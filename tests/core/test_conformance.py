@@ -19,7 +19,6 @@ extension expresses through ``IDEMPOTENCY_SHOULD_STORE``.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ import pytest
 from support.databases import truncate_public_tables
 from support.gunicorn_server import GunicornServer
 from support.http_client import HttpResponse, http_request
+from support.waiting import wait_until
 
 TEXT = {"Content-Type": "text/plain"}
 
@@ -139,7 +139,7 @@ def test_core_concurrent_409(fixture: Target) -> None:
 
     thread = threading.Thread(target=original)
     thread.start()
-    time.sleep(0.3)
+    wait_until(lambda: fixture.invocations() == 1, 10, "the original to be in its view")
     answers["duplicate"] = fixture.send("POST", "/slow?ms=1500", "k-concurrent-1", "slow")
     thread.join(10)
     assert (answers["original"].status, answers["original"].body) == (200, b"slept:1500")

@@ -36,8 +36,9 @@ from example_app.processor_client import (
     shared_processor,
 )
 from example_app.processor_core import FakeProcessor
+from support.waiting import wait_until
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -185,9 +186,7 @@ def test_a_call_the_client_gave_up_on_still_charges_once(harness: Harness) -> No
     assert isinstance(timed_out, ProcessorUnavailable) and "no answer" in timed_out.reason
     still_running = charge(client, key)
     assert isinstance(still_running, ProcessorUnavailable) and "409" in still_running.reason
-    deadline = time.monotonic() + 3
-    while harness.processor.charges_for(key) == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: harness.processor.charges_for(key) > 0, 3, "the abandoned call's charge")
     harness.processor.set_latency(0)
     retried = charge(client, key)
     charged_entry = next(e for e in harness.processor.ledger() if e.charged)

@@ -1,0 +1,1 @@
+"""The benchmarks' code (``benchmarks/``) at tiny sizes: its arithmetic, subjects and scripts."""

@@ -1,0 +1,1 @@
+"""Pure parts: key parsing, fingerprints, the flow's decisions, settings validation (no server)."""
