@@ -29,7 +29,8 @@ from typing import Any
 import psycopg2
 import pytest
 
-from support._procs import log_tail, spawn, stop_process, wait_until
+from support._procs import log_tail, spawn, stop_process
+from support.waiting import wait_until
 
 #: What ``from celery_harness import *`` gives a test module: the fixtures.
 __all__ = ["celery_amqp_url", "celery_client", "celery_env", "celery_worker"]
@@ -81,7 +82,8 @@ class CeleryWorker:
         # Ready when the worker says it consumes (worker_ready), not after a sleep.
         wait_until(
             lambda: self.ready_file.exists() or self.proc.poll() is not None,
-            timeout=timeout,
+            timeout,
+            "the celery worker to consume",
             describe=self.log,
             interval=0.05,
         )
