@@ -163,6 +163,22 @@ class StoreUnavailable(IdempotencyError, StoreUnavailableError):
             self.retry_after = current_retry_after()
 
 
+#: ``assert_idempotent(atomicity_drill=True)`` sends it to fail an attempt after its
+#: view returned; honoured only with ``IDEMPOTENCY_TESTING_DRILLS = True``.
+DRILL_HEADER = "Idempotency-Drill"
+DRILL_FAIL_AFTER_VIEW = "fail-after-view"
+
+
+class DrillFailure(IdempotencyError):
+    """The attempt a test drill failed after its view returned: rolled back and
+    released, as when the completion itself fails."""
+
+    code = 503
+    title = "Attempt failed by a test drill"
+    error_code = "drill_failure"
+    description = "This attempt was failed on purpose by a test drill; nothing was kept."
+
+
 class ResponseTooLarge(IdempotencyError):
     """The view answered with a body larger than the configured maximum to store.
 

@@ -105,6 +105,12 @@ class Idempotency:
             app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
         )
         pool = sessions = None
+        if not joins and "sqlalchemy" in app.extensions:
+            log.warning(
+                "idempotency: this app uses Flask-SQLAlchemy, but the extension was not "
+                "given it: writes through db.session in a decorated view do not commit "
+                "with the stored answer. Use Idempotency(app, db=db)."
+            )
         if joins:
             from . import sqlalchemy_session  # SQLAlchemy is imported only by its users
 

@@ -20,6 +20,9 @@ from werkzeug.exceptions import HTTPException
 
 from . import engine, flow, keys, recovery, responses
 from .errors import (
+    DRILL_FAIL_AFTER_VIEW,
+    DRILL_HEADER,
+    DrillFailure,
     IdempotencyError,
     KeyReused,
     LeaseLost,
@@ -282,6 +285,9 @@ def _settle_claim(ctx: RequestState, response: Response) -> Response:
         response.close()
         return _error_response(too_large)
 
+    if state.settings.testing_drills and _drilled(ctx):
+        release(ctx, status=DrillFailure.code)
+        return _error_response(DrillFailure(retry_after=state.settings.retry_after))
     try:
         with state.metrics.phase(PHASE_COMPLETE, ctx, status=stored.status):
             engine.complete(ctx, stored)
@@ -298,6 +304,12 @@ def _settle_claim(ctx: RequestState, response: Response) -> Response:
         state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
     responses.mark_original(response, state.profile)
     return response
+
+
+def _drilled(ctx: RequestState) -> bool:
+    """``assert_idempotent``'s atomicity drill asks this attempt to fail now."""
+    req = ctx.request
+    return req is not None and req.headers.get(DRILL_HEADER) == DRILL_FAIL_AFTER_VIEW
 
 
 def _error_response(error: IdempotencyError) -> Response:

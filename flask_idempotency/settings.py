@@ -130,6 +130,10 @@ class Settings:
     #: ``IDEMPOTENCY_EXPOSE_HEADERS``: name the extension's response headers in
     #: ``Access-Control-Expose-Headers`` so browsers' scripts can read them (CORS).
     expose_headers: bool = False
+    #: ``IDEMPOTENCY_TESTING_DRILLS``: honour the ``Idempotency-Drill`` request header
+    #: of ``flask_idempotency.testing.assert_idempotent(atomicity_drill=True)``, which
+    #: fails an attempt after its view returned. For test configurations only.
+    testing_drills: bool = False
     #: ``IDEMPOTENCY_CLAIM_MODE``: how a key is claimed (the docs' "how it works" page).
     #: ``"row"``: a processing row committed on its own, kept alive by a lease;
     #: visible to ``stats``/``unlock``, no transaction open while the view waits on
@@ -184,7 +188,13 @@ _INT_FIELDS = {
     "redis_breaker_threshold",
     "redis_compress_over",
 }
-_BOOL_FIELDS = {"async_claim_commit", "auto_migrate", "prepare_statements", "expose_headers"}
+_BOOL_FIELDS = {
+    "async_claim_commit",
+    "auto_migrate",
+    "prepare_statements",
+    "expose_headers",
+    "testing_drills",
+}
 _CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
 #: ``IDEMPOTENCY_REDIS_FILL`` values (see :attr:`Settings.redis_fill`).
 REDIS_FILLS = ("completion", "replay")

@@ -14,7 +14,13 @@ running) is retried until it gets a final answer. Then:
   times it ran so far, e.g. a ``SELECT count(*)`` of the rows it inserts);
 * ``idempotency_records`` gained exactly one completed record, if you pass
   ``database_url=`` (the app's database);
-* the same key with a different body answers ``422`` and runs nothing.
+* the same key with a different body answers ``422`` and runs nothing;
+* with ``atomicity_drill=True`` (and ``executions=``): an attempt that fails
+  after the view returned keeps none of the view's writes, and the retry runs
+  the view exactly once. The app under test must enable the drill
+  (``IDEMPOTENCY_TESTING_DRILLS = True``); a view whose writes do not commit
+  with the stored answer (a Flask-SQLAlchemy view without ``db=db``, a second
+  connection) fails it.
 
 All problems found are reported together in one ``AssertionError``. Messages
 show at most a short prefix of a body and never the idempotency key.
@@ -32,6 +38,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from ..errors import DRILL_FAIL_AFTER_VIEW, DRILL_HEADER, DrillFailure
 
 __all__ = ["Answer", "IdempotencyReport", "assert_idempotent"]
 
@@ -215,6 +223,7 @@ def assert_idempotent(
     check_mismatch: bool = True,
     retry_in_progress: bool = True,
     timeout: float = 30.0,
+    atomicity_drill: bool = False,
 ) -> IdempotencyReport:
     """Send ``duplicates`` identical requests at once; assert the route ran once.
 
@@ -226,7 +235,8 @@ def assert_idempotent(
     ``idempotency_records``. The ``422`` probe sends ``mismatched_json`` /
     ``mismatched_data``, by default the body with one field added
     (``check_mismatch=False`` skips it). ``timeout`` bounds the whole check,
-    retries of ``409`` answers included.
+    retries of ``409`` answers included. ``atomicity_drill`` also fails one attempt
+    after its view returned (see the module's docstring).
 
     Returns an :class:`IdempotencyReport`; raises ``AssertionError`` listing
     every check that failed.
@@ -385,6 +395,13 @@ def assert_idempotent(
             if probe_ran:
                 problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
 
+    if atomicity_drill:
+        if executions is None:
+            raise ValueError("atomicity_drill needs executions= to see the view's writes")
+        problems.extend(
+            _atomicity_drill(url, method, sent_headers, key_header, body, executions, timeout)
+        )
+
     if problems:
         raise AssertionError(
             f"{method} {urlsplit(url).path or '/'} is not idempotent under "
@@ -399,3 +416,44 @@ def assert_idempotent(
         executions=ran,
         mismatch_status=mismatch_status,
     )
+
+
+def _atomicity_drill(
+    url: str,
+    method: str,
+    headers: Mapping[str, str],
+    key_header: str,
+    body: bytes | None,
+    executions: Callable[[], int],
+    timeout: float,
+) -> list[str]:
+    """Fail one attempt after its view returned; check nothing of it was kept and
+    that the retry runs the view once, then replays."""
+    drilled = dict(headers)
+    drilled[key_header] = f"assert-idempotent-drill-{secrets.token_hex(16)}"
+    before = executions()
+    failed = _send(url, method, {**drilled, DRILL_HEADER: DRILL_FAIL_AFTER_VIEW}, body, timeout)
+    if failed.status != DrillFailure.code or DrillFailure.error_code.encode() not in failed.body:
+        return [
+            f"the atomicity drill did not run (answered {failed.status}: "
+            f"{preview(failed.body)}): set IDEMPOTENCY_TESTING_DRILLS = True on the app under test"
+        ]
+    problems = []
+    survived = executions() - before
+    if survived:
+        problems.append(
+            f"an attempt that failed after its view returned kept {_times(survived)} of its "
+            "writes: they do not commit with the stored answer (write on "
+            "idempotency.connection(), or give the extension your db: Idempotency(app, db=db))"
+        )
+    retry = _send(url, method, drilled, body, timeout)
+    ran = executions() - before - survived
+    if retry.replayed or ran != 1:
+        problems.append(
+            f"the retry after the failed attempt ran the view {_times(ran)} "
+            f"({retry.status}, replayed={retry.replayed}); expected once"
+        )
+    again = _send(url, method, drilled, body, timeout)
+    if not again.replayed or executions() - before - survived != 1:
+        problems.append("the request after the retry was not a replay of it")
+    return problems
