@@ -31,11 +31,6 @@ COVERED: dict[Path, tuple[str, ...]] = {
     DOCS / "deployment.md": ("Health checks",),
 }
 
-NEEDS_DB_ARGUMENT = pytest.mark.xfail(
-    strict=True, reason="needs Idempotency(app, db=db) (Flask-SQLAlchemy support)"
-)
-
-
 def test_every_block_is_run_or_illustrative() -> None:
     unmarked, bad = [], []
     for path in documents():
@@ -110,7 +105,6 @@ def check_try_it(page: Page) -> None:
     assert reused.startswith("HTTP/1.1 422") and '"key_reused"' in reused
 
 
-@NEEDS_DB_ARGUMENT
 def test_quickstart_with_flask_sqlalchemy(
     tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
 ) -> None:
@@ -135,7 +129,6 @@ def test_quickstart_with_a_connection(
     assert count(fresh_database_url, "charges") == 1
 
 
-@NEEDS_DB_ARGUMENT
 def test_readme_quickstart(
     tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
 ) -> None:
