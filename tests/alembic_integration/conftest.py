@@ -74,7 +74,6 @@ def flask_runner(app_dir: Path, database_url: str, driver: str) -> Flask:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         "TRANSFERS_DATABASE_URL": sqlalchemy_url(database_url, driver),
-        "TRANSFERS_DSN": database_url,
     }
 
     def run(*args: str, **extra_env: str) -> str:

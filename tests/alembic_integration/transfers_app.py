@@ -1,10 +1,10 @@
 """A small Flask-SQLAlchemy + Flask-Migrate application using the extension, run by
-tests/alembic through real ``flask db ...`` and ``flask idempotency ...`` subprocesses.
+tests/alembic_integration through real ``flask db ...`` and ``flask idempotency ...`` subprocesses.
 
 Read from the environment: ``TRANSFERS_DATABASE_URL`` (an SQLAlchemy URL, which
-picks the dialect) and ``TRANSFERS_DSN`` (the same database as a libpq URL, for
-the extension); ``TRANSFERS_MEMO=1`` adds a column to the model, the change
-autogenerate must detect.
+picks the dialect; the extension uses the same engine through ``db=db``);
+``TRANSFERS_MEMO=1`` adds a column to the model, the change autogenerate must
+detect.
 
 The application's own ``include_object`` keeps ``legacy_ledger`` out of
 autogenerate: the extension's filter must leave that hook working.
@@ -21,7 +21,8 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-import flask_idempotency.alembic  # noqa: F401  (the autogenerate filter)
+# The autogenerate filter. To go once init_app(app, db=db) imports it itself.
+import flask_idempotency.alembic  # noqa: F401
 from flask_idempotency import Idempotency
 
 
@@ -48,8 +49,7 @@ def include_object(
 def create_app() -> Flask:
     app = Flask(__name__)
     app.config["SQLALCHEMY_DATABASE_URI"] = os.environ["TRANSFERS_DATABASE_URL"]
-    app.config["IDEMPOTENCY_DATABASE_URL"] = os.environ["TRANSFERS_DSN"]
     db.init_app(app)
     Migrate(app, db, include_object=include_object)
-    Idempotency(app)
+    Idempotency(app, db=db)
     return app
