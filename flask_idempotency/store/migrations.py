@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any, Protocol
 
 import psycopg2.extensions
 
@@ -25,6 +26,35 @@ CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
     name        text        PRIMARY KEY,
     applied_at  timestamptz NOT NULL DEFAULT now()
 )
+"""
+
+
+#: The tables the extension's schema creates, the ledger included. They belong to
+#: these files, not to an application's models: Alembic's autogenerate leaves
+#: them alone (flask_idempotency.alembic). tests/alembic checks the set against
+#: what the files create on an empty database, so a new table cannot be missed.
+TABLES = frozenset(
+    {
+        "idempotency_records",
+        "idempotency_outbox",
+        "idempotency_recovery_totals",
+        "idempotency_schema_migrations",
+    }
+)
+
+# What the extension's own files created (indexes go with their tables), for an
+# Alembic revision's downgrade. The functions are named with their arguments:
+# each overload is its own object. The ledger keeps the rows of an application's
+# IDEMPOTENCY_MIGRATION_DIRS files; drop_in_transaction() drops it once empty.
+DROP_SCHEMA = """
+DROP TABLE IF EXISTS idempotency_outbox, idempotency_recovery_totals, idempotency_records;
+DROP FUNCTION IF EXISTS
+    idempotency_complete(bytea, bigint, smallint, jsonb, bytea),
+    idempotency_checkpoint(bytea, bigint, text, jsonb),
+    idempotency_claim_in_transaction(bytea, bigint, bigint),
+    idempotency_claim_in_transaction_rw(bytea, bigint, bigint),
+    idempotency_insert_completed(bytea, bytea, double precision, smallint, jsonb, bytea);
+DELETE FROM idempotency_schema_migrations WHERE starts_with(name, 'flask_idempotency/');
 """
 
 
@@ -50,22 +80,21 @@ def all_migrations(extra_dirs: Sequence[str]) -> list[tuple[str, str]]:
     return found
 
 
+class Cursor(Protocol):
+    """What the migration loop needs of a DB-API cursor: psycopg2's and psycopg 3's
+    alike (``%s`` placeholders), whether the extension or SQLAlchemy opened it."""
+
+    def execute(self, query: str, params: Any = ..., /) -> Any: ...
+
+    def fetchall(self) -> Sequence[Any]: ...
+
+
 def apply(conn: psycopg2.extensions.connection, migrations: Iterable[tuple[str, str]]) -> list[str]:
     """Apply what is missing in one transaction; return the names applied now."""
-    applied_now: list[str] = []
     conn.autocommit = False
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_ID,))
-            cur.execute(CREATE_LEDGER)
-            cur.execute("SELECT name FROM idempotency_schema_migrations")
-            done = {row[0] for row in cur.fetchall()}
-            for name, sql in migrations:
-                if name in done:
-                    continue
-                cur.execute(sql)
-                cur.execute("INSERT INTO idempotency_schema_migrations (name) VALUES (%s)", (name,))
-                applied_now.append(name)
+            applied_now = apply_in_transaction(cur, migrations)
         conn.commit()
     except BaseException:
         conn.rollback()
@@ -73,3 +102,40 @@ def apply(conn: psycopg2.extensions.connection, migrations: Iterable[tuple[str, 
     finally:
         conn.autocommit = True
     return applied_now
+
+
+def apply_in_transaction(cur: Cursor, migrations: Iterable[tuple[str, str]]) -> list[str]:
+    """Apply what is missing on ``cur``, inside the transaction its connection is
+    already in (the caller commits or rolls back); return the names applied now.
+
+    ``flask idempotency migrate`` and an application's Alembic revision
+    (``flask_idempotency.alembic.upgrade_schema``) both come here: one ledger,
+    one lock, so neither applies a file the other did. The schema files hold
+    several statements and no parameters, which psycopg 3 runs in one
+    ``execute`` as psycopg2 does (without parameters it uses the simple query
+    protocol).
+    """
+    applied_now: list[str] = []
+    cur.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_ID,))
+    cur.execute(CREATE_LEDGER)
+    cur.execute("SELECT name FROM idempotency_schema_migrations")
+    done = {row[0] for row in cur.fetchall()}
+    for name, sql in migrations:
+        if name in done:
+            continue
+        cur.execute(sql)
+        cur.execute("INSERT INTO idempotency_schema_migrations (name) VALUES (%s)", (name,))
+        applied_now.append(name)
+    return applied_now
+
+
+def drop_in_transaction(cur: Cursor) -> None:
+    """Drop what the extension's files created, and their ledger rows, inside the
+    transaction ``cur``'s connection is in. The ledger itself goes when no
+    application file is left in it."""
+    cur.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_ID,))
+    cur.execute(CREATE_LEDGER)
+    cur.execute(DROP_SCHEMA)
+    cur.execute("SELECT count(*) FROM idempotency_schema_migrations")
+    if cur.fetchall()[0][0] == 0:
+        cur.execute("DROP TABLE idempotency_schema_migrations")
