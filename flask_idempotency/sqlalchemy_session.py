@@ -31,7 +31,9 @@ are left alone, and are not part of the transaction.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask
@@ -154,6 +156,11 @@ def from_app(
         session = db.session
     if not isinstance(engine, Engine):
         raise TypeError("engine= must be a sqlalchemy.engine.Engine")
+    if "alembic" in sys.modules:
+        # A migration run (Flask-Migrate, or Alembic's env.py importing the app):
+        # autogenerate must not propose dropping the extension's tables. A web
+        # worker, which never imports Alembic, does not pay for it.
+        importlib.import_module("flask_idempotency.alembic")
     pool = EnginePool(engine)
     if session is None:
         return pool, None

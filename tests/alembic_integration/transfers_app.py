@@ -21,8 +21,6 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy import Integer, String
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# The autogenerate filter. To go once init_app(app, db=db) imports it itself.
-import flask_idempotency.alembic  # noqa: F401
 from flask_idempotency import Idempotency
 
 
