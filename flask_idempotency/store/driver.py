@@ -20,22 +20,30 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
-psycopg: Any
-try:  # psycopg 3: the [psycopg] extra, for SQLAlchemy's postgresql+psycopg dialect
-    import psycopg
-except ImportError:  # pragma: no cover - exercised where psycopg 3 is not installed
-    psycopg = None
-
-#: Every driver error class the store may see (for ``except``).
+#: Every driver error class the store may see. Read as ``driver.ERRORS`` at the
+#: ``except``: psycopg 3's classes join when an engine first uses it
+#: (:func:`for_dialect`), so an application that never does never imports it.
 ERRORS: tuple[type[Exception], ...] = (psycopg2.Error,)
 #: The connection is closed on our side.
 INTERFACE_ERRORS: tuple[type[Exception], ...] = (psycopg2.InterfaceError,)
 #: libpq reported a failure of the connection or the server.
 OPERATIONAL_ERRORS: tuple[type[Exception], ...] = (psycopg2.OperationalError,)
-if psycopg is not None:
-    ERRORS += (psycopg.Error,)
-    INTERFACE_ERRORS += (psycopg.InterfaceError,)
-    OPERATIONAL_ERRORS += (psycopg.OperationalError,)
+
+
+def _speak_psycopg3() -> Any:
+    """Import psycopg 3 and count its errors as the store's; returns the module."""
+    global ERRORS, INTERFACE_ERRORS, OPERATIONAL_ERRORS
+    try:
+        import psycopg
+    except ImportError:
+        raise RuntimeError(
+            "postgresql+psycopg needs psycopg 3: pip install 'flask-idempotency[psycopg]'"
+        ) from None
+    if psycopg.Error not in ERRORS:
+        ERRORS += (psycopg.Error,)
+        INTERFACE_ERRORS += (psycopg.InterfaceError,)
+        OPERATIONAL_ERRORS += (psycopg.OperationalError,)
+    return psycopg
 
 
 def sqlstate(exc: BaseException) -> str | None:
@@ -63,9 +71,13 @@ class Psycopg3Driver(Driver):
 
     name = "psycopg"
 
+    def __init__(self) -> None:
+        self._client_cursor: Any = None
+
     def cursor(self, conn: Any) -> Any:
-        assert psycopg is not None
-        return psycopg.ClientCursor(conn)
+        if self._client_cursor is None:
+            self._client_cursor = _speak_psycopg3().ClientCursor
+        return self._client_cursor(conn)
 
     def execute(self, cur: Any, sql: str, params: Any = None) -> None:
         cur.execute(sql, params)
@@ -77,24 +89,12 @@ PSYCOPG2 = Driver()
 PSYCOPG3 = Psycopg3Driver()
 
 
-def for_connection(conn: Any) -> Driver:
-    """The driver of a DBAPI connection (an application's pool or engine lends it)."""
-    if isinstance(conn, psycopg2.extensions.connection):
-        return PSYCOPG2
-    if psycopg is not None and isinstance(conn, psycopg.Connection):
-        return PSYCOPG3
-    raise TypeError(
-        f"flask_idempotency speaks psycopg2 and psycopg 3, not {type(conn).__module__}"
-    )
-
-
 def for_dialect(driver_name: str) -> Driver:
     """The driver of a SQLAlchemy dialect (``engine.dialect.driver``)."""
     if driver_name == "psycopg2":
         return PSYCOPG2
     if driver_name == "psycopg":
-        if psycopg is None:
-            raise RuntimeError("postgresql+psycopg needs psycopg 3: pip install 'psycopg[binary]'")
+        _speak_psycopg3()
         return PSYCOPG3
     raise ValueError(
         f"flask_idempotency needs the postgresql+psycopg2 or postgresql+psycopg dialect, "

@@ -25,8 +25,9 @@ import sqlalchemy.exc
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
 
+from . import driver
 from .base import StoreUnavailableError
-from .driver import ERRORS, for_dialect
+from .driver import for_dialect
 from .errors import connect_failure
 from .pool import Connection, Pool
 
@@ -66,7 +67,7 @@ class EnginePool(Pool):
         try:
             autocommit = bool(raw.autocommit)
             raw.autocommit = True
-        except ERRORS as exc:
+        except driver.ERRORS as exc:
             sa_conn.invalidate()
             sa_conn.close()
             reason = type(exc).__name__
@@ -93,7 +94,7 @@ class EnginePool(Pool):
                         with self.driver.cursor(conn) as cur:
                             cur.execute("ROLLBACK")
                     conn.autocommit = autocommit
-                except ERRORS:
+                except driver.ERRORS:
                     discard = True
             if discard or conn.closed:
                 sa_conn.invalidate()
@@ -157,5 +158,5 @@ class EnginePool(Pool):
                     if not fairy.driver_connection.closed:
                         fairy.driver_connection.autocommit = False
                     fairy.close()
-                except ERRORS:
+                except driver.ERRORS:
                     fairy.invalidate()

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .driver import INTERFACE_ERRORS, OPERATIONAL_ERRORS, sqlstate
+from . import driver
+from .driver import sqlstate
 
 #: SQLSTATEs outside class 08 that mean the session is gone or cannot start:
 #: admin_shutdown, crash_shutdown, cannot_connect_now, too_many_connections.
@@ -44,9 +45,9 @@ def is_unreachable(exc: BaseException, conn: Any = None) -> bool:
     code = sqlstate(exc)
     if code == READ_ONLY_SQLSTATE:
         return True
-    if isinstance(exc, INTERFACE_ERRORS):
+    if isinstance(exc, driver.INTERFACE_ERRORS):
         return True
-    if isinstance(exc, OPERATIONAL_ERRORS):
+    if isinstance(exc, driver.OPERATIONAL_ERRORS):
         return not code or code.startswith("08") or code in UNREACHABLE_SQLSTATES
     return False
 

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+from . import driver
 from .base import RecordInfo, StoreUnavailableError, Taken
-from .driver import ERRORS, Driver
+from .driver import Driver
 from .pool import Connection
 from .sql import (
     ATTEMPTS_SO_FAR,
@@ -173,7 +174,7 @@ class Maintenance:
                     try:
                         with conn.cursor() as cur:
                             cur.execute("ROLLBACK")
-                    except ERRORS:
+                    except driver.ERRORS:
                         conn.close()
                 raise
             finally:

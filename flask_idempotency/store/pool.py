@@ -27,8 +27,9 @@ import psycopg2.extensions
 import psycopg2.pool
 
 from ..observer import Observer
+from . import driver
 from .base import StoreUnavailableError
-from .driver import ERRORS, PSYCOPG2, Driver
+from .driver import PSYCOPG2, Driver
 from .errors import connect_failure, is_unreachable
 
 Connection = psycopg2.extensions.connection
@@ -87,7 +88,7 @@ class Pool:
         broken = False
         try:
             yield conn
-        except ERRORS as exc:
+        except driver.ERRORS as exc:
             broken = is_unreachable(exc, conn)
             raise
         finally:

@@ -16,9 +16,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from . import migrations
+from . import driver, migrations
 from .base import LeaseHold, StoreUnavailableError
-from .driver import ERRORS
 from .errors import is_unreachable
 from .maintenance import Maintenance
 from .pool import BorrowedPool, Connection, ConnectionPool, Pool
@@ -129,7 +128,7 @@ class PostgresStore(Maintenance):
         try:
             with self.pool.connection() as conn:
                 yield conn
-        except ERRORS as exc:
+        except driver.ERRORS as exc:
             if is_unreachable(exc):
                 self.pool.discard_idle()
             raise StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip()) from exc
@@ -150,14 +149,14 @@ class PostgresStore(Maintenance):
             try:
                 with conn.cursor() as cur:
                     cur.execute("BEGIN")
-            except ERRORS as exc:
+            except driver.ERRORS as exc:
                 broken = is_unreachable(exc, conn)
                 raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
             try:
                 yield conn
             except BaseException as exc:
                 broken = _rollback_quietly(conn)
-                if isinstance(exc, ERRORS) and is_unreachable(exc, conn):
+                if isinstance(exc, driver.ERRORS) and is_unreachable(exc, conn):
                     broken = True
                     raise StoreUnavailableError(f"statement failed: {type(exc).__name__}") from exc
                 raise
@@ -168,7 +167,7 @@ class PostgresStore(Maintenance):
             try:
                 with conn.cursor() as cur:
                     cur.execute("COMMIT")
-            except ERRORS as exc:
+            except driver.ERRORS as exc:
                 if WATCHDOG.unwatch(ticket) or is_unreachable(exc, conn):
                     broken = True
                     raise StoreUnavailableError(f"COMMIT failed: {type(exc).__name__}") from exc
@@ -220,7 +219,7 @@ class PostgresStore(Maintenance):
                 with self.driver.cursor(conn) as cur:
                     self.driver.execute(cur, self.timeouts + RENEW, params)
                     count = int(cur.rowcount)
-            except ERRORS as exc:
+            except driver.ERRORS as exc:
                 error = exc
             finally:
                 fired = WATCHDOG.unwatch(ticket)
@@ -248,6 +247,6 @@ def _rollback_quietly(conn: Connection) -> bool:
     try:
         with conn.cursor() as cur:
             cur.execute("ROLLBACK")
-    except ERRORS:
+    except driver.ERRORS:
         return True
     return False

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg2
 
+from . import driver
 from .base import (
     Claimed,
     ClaimResult,
@@ -23,7 +24,7 @@ from .base import (
     StoredResponse,
     StoreUnavailableError,
 )
-from .driver import ERRORS, sqlstate
+from .driver import sqlstate
 from .errors import is_unreachable
 from .pool import Connection
 from .sql import (
@@ -132,7 +133,7 @@ class PostgresRequest:
         if not self._in_transaction:
             try:
                 self._execute(conn, "BEGIN")
-            except ERRORS as exc:
+            except driver.ERRORS as exc:
                 self._drop(peers=self._unresponsive or is_unreachable(exc, conn))
                 raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
             self._in_transaction = True
@@ -153,7 +154,7 @@ class PostgresRequest:
             sql = store.complete_in_transaction if self._in_transaction else store.complete_alone
         try:
             self._execute(conn, sql, sql_params)
-        except ERRORS as exc:
+        except driver.ERRORS as exc:
             if self._unresponsive or is_unreachable(exc, conn):
                 self._drop()
                 raise StoreUnavailableError(f"completion failed: {type(exc).__name__}") from exc
@@ -178,7 +179,7 @@ class PostgresRequest:
             sql += ";\nCOMMIT;\nBEGIN"
         try:
             self._execute(conn, sql, (record_key, token, phase, data_json))
-        except ERRORS as exc:
+        except driver.ERRORS as exc:
             if self._unresponsive or is_unreachable(exc, conn):
                 self._drop()
                 raise StoreUnavailableError(f"checkpoint failed: {type(exc).__name__}") from exc
@@ -202,7 +203,7 @@ class PostgresRequest:
         try:
             self._execute(self._conn, "ROLLBACK")
             self._in_transaction = False
-        except ERRORS as exc:
+        except driver.ERRORS as exc:
             self._drop(peers=self._unresponsive or is_unreachable(exc, self._conn))
 
     def release(self, record_key: bytes, token: int) -> None:
@@ -229,11 +230,11 @@ class PostgresRequest:
             conn = self._acquire()
             self._execute(conn, sql, (record_key, token))
             self._in_transaction = False
-        except (*ERRORS, StoreUnavailableError) as exc:  # type: ignore[misc]
+        except (*driver.ERRORS, StoreUnavailableError) as exc:  # type: ignore[misc]
             log.warning(
                 "idempotency: release failed (%s); the lease will expire", type(exc).__name__
             )
-            unreachable = not isinstance(exc, ERRORS) or is_unreachable(exc, self._conn)
+            unreachable = not isinstance(exc, driver.ERRORS) or is_unreachable(exc, self._conn)
             self._drop(peers=self._unresponsive or unreachable)
 
     def rollback(self) -> None:
@@ -250,7 +251,7 @@ class PostgresRequest:
         try:
             with self._conn.cursor() as cur:
                 cur.execute("COMMIT")
-        except ERRORS as exc:
+        except driver.ERRORS as exc:
             if is_unreachable(exc, self._conn):
                 self._drop()
                 raise StoreUnavailableError(f"COMMIT failed: {type(exc).__name__}") from exc
@@ -299,7 +300,7 @@ class RowClaimRequest(PostgresRequest):
             conn = self._acquire()
             try:
                 row = self._execute(conn, self._store.claim_sql(conn), params, fetch=True)
-            except ERRORS as exc:
+            except driver.ERRORS as exc:
                 if self._unresponsive:
                     self._drop()
                     raise StoreUnavailableError("claim failed: PostgreSQL did not answer") from exc
@@ -366,7 +367,7 @@ class TransactionClaimRequest(PostgresRequest):
             try:
                 row = self._execute(conn, CLAIM_IN_TRANSACTION, params, fetch=True)
                 break
-            except ERRORS as exc:
+            except driver.ERRORS as exc:
                 unreachable = self._unresponsive or is_unreachable(exc, conn)
                 self._drop(peers=unreachable)
                 if unreachable and attempt == 0 and not self._unresponsive:
