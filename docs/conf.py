@@ -57,6 +57,8 @@ nitpick_ignore_regex = [
     # Internal helper types that appear in public signatures; not part of the API.
     (r"py:class", r"(.*\.)?(_\w+|T|Handler|KeyFunc|ConsumerOptions|EventPublisher|Backoff)"),
     (r"py:class", r"(CollectorRegistry|TracerProvider|ConsumerGuard)"),
+    # The store's record types, shown in signatures; the store is not public API.
+    (r"py:class", r"flask_idempotency\.store\..*"),
     # EmbeddedEvents.run's docstring says :meth:`stop`; Sphinx does not resolve it from
     # the re-exported class (flask_idempotency.events.EmbeddedEvents).
     (r"py:meth", r"stop"),

@@ -25,6 +25,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from flask import Flask
+
+from ..state import app_state
 from ..store.base import StoreUnavailableError
 from . import outbox
 from .amqp import Backoff, BrokerUnavailable
@@ -76,6 +79,12 @@ class Relay:
         self.backoff = backoff or Backoff()
         self.stats = RelayStats()
 
+
+    @classmethod
+    def for_app(cls, app: Flask, publisher: EventPublisher, **options: Any) -> Relay:
+        """A relay over ``app``'s outbox (the extension's store), publishing with
+        ``publisher``; ``options`` as for the constructor."""
+        return cls(app_state(app).store, publisher, **options)
     def relay_batch(self) -> int:
         """Publish one batch; return how many rows it took (0: nothing pending).
 
