@@ -8,6 +8,8 @@ own label in PostgreSQL through a connection of its own.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from sa_harness import *  # noqa: F403  (the fixtures, used by name)
 from sa_harness import API_KEY, Client, new_label, record_states, rows, seed_user, user_row
@@ -115,6 +117,26 @@ def test_user_loaded_before_the_claim_is_written_with_the_answer(
     replay = client.post(label, headers=headers, api_key=api_key)
     assert replay.headers["Idempotent-Replayed"] == "true"
     assert user_row(dialect_url, api_key) == (1, None)
+
+
+def test_a_query_before_the_claim_holds_no_second_connection(
+    make_sa_app: Any, dialect_url: str
+) -> None:
+    """The authentication decorator's query checks a connection out of db's pool
+    before the claim; the claim must not need a second one. With one connection for
+    requests (and one the lease keeper keeps) requests in turn all run, as they do
+    without the extension; holding two each, they would wait for the pool and 503."""
+    client = Client(
+        make_sa_app(
+            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 2, "max_overflow": 0, "pool_timeout": 1}
+        )
+    )
+    labels = [new_label("one-connection") for _ in range(3)]
+    for label in labels:
+        answer = client.post(label)
+        assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert client.post(labels[0]).headers["Idempotent-Replayed"] == "true"
+    assert [rows(dialect_url, label) for label in labels] == [["first"]] * 3
 
 
 @pytest.mark.xfail(
