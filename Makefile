@@ -51,9 +51,10 @@ test-reliability: venv
 # crash through it, both claim modes), TLS to PostgreSQL and Redis, Redis
 # Cluster and Sentinel with failovers. Without a pgbouncer binary, an
 # OpenSSL-built PostgreSQL or a TLS-capable redis-server those tests skip and
-# say why (.ci/run installs Debian's pgbouncer when it can).
+# say why (.ci/run installs Debian's pgbouncer when it can). tests/sqlalchemy adds
+# the Flask-SQLAlchemy app (db=db, both dialects) behind PgBouncer.
 test-topologies: venv
-	$(PY) -m pytest -m topology tests/topologies $(PYTEST_ARGS)
+	$(PY) -m pytest -m topology tests/topologies tests/sqlalchemy $(PYTEST_ARGS)
 
 # mypy reads its file list and strictness from setup.cfg.
 lint: venv

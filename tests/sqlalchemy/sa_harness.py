@@ -12,10 +12,13 @@ database and one gunicorn per dialect without cleaning up between them.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,8 @@ from flask import Flask
 from flask.testing import FlaskClient
 from werkzeug.test import TestResponse
 
-from support.gunicorn_server import TESTS_DIR
+from support.gunicorn_server import TESTS_DIR, GunicornServer
+from support.http_client import HttpResponse, http_request
 from support.waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
@@ -35,6 +39,14 @@ DIALECTS = ("psycopg2", "psycopg")
 #: What gunicorn needs on its path to import ``sa_app``.
 GUNICORN_PYTHONPATH = ":".join([str(TESTS_DIR.parent), str(TESTS_DIR), str(HERE)])
 API_KEY = "sa-tests-client"
+
+WORKERS = 2
+THREADS = 32
+#: db's engine connections per worker: fewer than its threads, as in production.
+POOL_SIZE = 12
+#: Duplicates wait for the first attempt and replay it (the contract's opt-in wait
+#: mode), so every answer of a storm is the same 201.
+WAIT_SECONDS = 10
 
 
 def sa_url(database_url: str, dialect: str) -> str:
@@ -172,6 +184,75 @@ def gates() -> Iterator[Gates]:
     opened = Gates()
     yield opened
     opened.close()
+
+
+@contextlib.contextmanager
+def serving(url: str, gates: Gates, **env: str) -> Iterator[GunicornServer]:
+    """``sa_app`` on ``url`` (a SQLAlchemy URL) under gunicorn: 2 gthread workers x
+    32 threads; ``env`` adds to its environment. Its log is printed at the end."""
+    running = GunicornServer(
+        "sa_app:create_app()",
+        env={
+            "PYTHONPATH": GUNICORN_PYTHONPATH,
+            "SA_APP_DATABASE_URL": url,
+            "SA_APP_GATE_DIR": str(gates.root),
+            "SA_APP_SQLALCHEMY_POOL_SIZE": str(POOL_SIZE),
+            "SA_APP_IDEMPOTENCY_WAIT": str(WAIT_SECONDS),
+            **env,
+        },
+        workers=WORKERS,
+        worker_class="gthread",
+        threads=THREADS,
+    )
+    try:
+        running.start()
+        yield running
+    finally:
+        running.stop()
+        print(f"--- {running!r} log ---\n{running.log_text()[-6000:]}")
+        running.close()
+
+
+def post(
+    server: GunicornServer,
+    label: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    body: Mapping[str, object] | None = None,
+    timeout: float = 30.0,
+) -> HttpResponse:
+    """POST a transfer of ``label`` (also its key) to a served ``sa_app``."""
+    sent = {"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": label, **(headers or {})}
+    return http_request(
+        "POST",
+        server.url + "/transfers",
+        sent,
+        json=dict(body or {"label": label, "amount": 100}),
+        timeout=timeout,
+    )
+
+
+def storm(server: GunicornServer, *, keys: int, duplicates: int) -> None:
+    """``duplicates`` simultaneous requests for each of ``keys`` keys: each key's view
+    runs once (one row), and its requests all get the same 201."""
+    labels = [new_label("storm") for _ in range(keys)]
+    start = threading.Barrier(keys * duplicates)
+
+    def send(label: str) -> HttpResponse:
+        start.wait()
+        return post(server, label, body={"label": label, "then": "sleep", "seconds": 0.3})
+
+    with ThreadPoolExecutor(max_workers=keys * duplicates) as pool:
+        futures = {label: [pool.submit(send, label) for _ in range(duplicates)] for label in labels}
+        answers = {label: [f.result(timeout=60) for f in fs] for label, fs in futures.items()}
+
+    for label, got in answers.items():
+        statuses = sorted({a.status for a in got})
+        assert statuses == [201], f"{label}: {statuses} {got[0].body!r}"
+        assert len({a.body for a in got}) == 1, f"{label}: different answers"
+        replayed = sorted(a.headers["Idempotent-Replayed"] for a in got)
+        assert replayed == ["false"] + ["true"] * (duplicates - 1), label
+        assert rows(server.env["SA_APP_DATABASE_URL"], label) == ["first"], label
 
 
 __all__ = ["client", "dialect", "dialect_url", "gates", "make_sa_app"]

@@ -12,102 +12,38 @@ from __future__ import annotations
 import http.client
 import os
 import signal
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 from sa_harness import *  # noqa: F403  (the fixtures, used by name)
 from sa_harness import (
-    API_KEY,
     DIALECTS,
-    GUNICORN_PYTHONPATH,
     Gates,
     new_label,
+    post,
     record_states,
     rows,
     sa_url,
+    serving,
+    storm,
 )
 
 from support.gunicorn_server import GunicornServer
-from support.http_client import HttpResponse, http_request
+from support.http_client import HttpResponse
 from support.records import end_leases
-
-WORKERS = 2
-THREADS = 32
-#: Connections per worker: fewer than its threads, as in production; waiting
-#: duplicates give theirs back while they wait.
-POOL_SIZE = 12
-#: Duplicates wait for the first attempt and replay it (the contract's opt-in wait mode),
-#: so every answer of a storm is the same 201.
-WAIT_SECONDS = 10
 
 
 @pytest.fixture(scope="module", params=DIALECTS)
 def server(
     request: pytest.FixtureRequest, database_url: str, gates: Gates
 ) -> Iterator[GunicornServer]:
-    env = {
-        "PYTHONPATH": GUNICORN_PYTHONPATH,
-        "SA_APP_DATABASE_URL": sa_url(database_url, str(request.param)),
-        "SA_APP_GATE_DIR": str(gates.root),
-        "SA_APP_SQLALCHEMY_POOL_SIZE": str(POOL_SIZE),
-        "SA_APP_IDEMPOTENCY_WAIT": str(WAIT_SECONDS),
-    }
-    running = GunicornServer(
-        "sa_app:create_app()",
-        env=env,
-        workers=WORKERS,
-        worker_class="gthread",
-        threads=THREADS,
-    )
-    try:
-        running.start()
+    with serving(sa_url(database_url, str(request.param)), gates) as running:
         yield running
-    finally:
-        running.stop()
-        print(f"--- {running!r} log ---\n{running.log_text()[-6000:]}")
-        running.close()
-
-
-def post(
-    server: GunicornServer,
-    label: str,
-    *,
-    headers: dict[str, str] | None = None,
-    body: dict[str, object] | None = None,
-    timeout: float = 30.0,
-) -> HttpResponse:
-    sent = {"Authorization": f"Bearer {API_KEY}", "Idempotency-Key": label, **(headers or {})}
-    return http_request(
-        "POST",
-        server.url + "/transfers",
-        sent,
-        json=body or {"label": label, "amount": 100},
-        timeout=timeout,
-    )
 
 
 def test_storm_of_duplicates_runs_each_key_once(server: GunicornServer) -> None:
-    keys, duplicates = 4, 50
-    labels = [new_label("storm") for _ in range(keys)]
-    start = threading.Barrier(keys * duplicates)
-
-    def send(label: str) -> HttpResponse:
-        start.wait()
-        return post(server, label, body={"label": label, "then": "sleep", "seconds": 0.3})
-
-    with ThreadPoolExecutor(max_workers=keys * duplicates) as pool:
-        futures = {label: [pool.submit(send, label) for _ in range(duplicates)] for label in labels}
-        answers = {label: [f.result(timeout=60) for f in fs] for label, fs in futures.items()}
-
-    for label, got in answers.items():
-        statuses = sorted({a.status for a in got})
-        assert statuses == [201], f"{label}: {statuses} {got[0].body!r}"
-        assert len({a.body for a in got}) == 1, f"{label}: different answers"
-        replayed = sorted(a.headers["Idempotent-Replayed"] for a in got)
-        assert replayed == ["false"] + ["true"] * (duplicates - 1), label
-        assert rows(server.env["SA_APP_DATABASE_URL"], label) == ["first"], label
+    storm(server, keys=4, duplicates=50)
 
 
 def _in_background(send: Callable[[], HttpResponse]) -> Future[HttpResponse | BaseException]:
