@@ -38,12 +38,15 @@ import psycopg2
 import sqlalchemy as sa
 from flask import Flask, Response, abort, g, jsonify, request
 from flask_sqlalchemy import SQLAlchemy
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: A user every app start makes sure of: a second insert of it is a unique violation.
+API_KEY_TAKEN = "sa-app-taken"
 #: How long a view waits at a gate nobody opens before it gives up (and answers 500).
 GATE_TIMEOUT = 30.0
 
@@ -127,6 +130,8 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
         # Two gunicorn workers start at once: one creates the tables, the other waits.
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(4343)"))
         Base.metadata.create_all(conn)
+        taken = postgresql.insert(User).values(api_key=API_KEY_TAKEN, transfers_made=0)
+        conn.execute(taken.on_conflict_do_nothing())
     idempotency = Idempotency(app, db=db)
     app.extensions["sa_idempotency"] = idempotency
 
@@ -203,6 +208,30 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
             payload["seen_by_session"] = own
             payload["loaded_amount"] = loaded.amount if loaded is not None else None
             payload["seen_elsewhere"] = count_elsewhere(url, label)
+        elif then == "conflict":
+            # A unique violation caught and rolled back (get-or-create): the session
+            # rolls back to its last commit and goes on.
+            db.session.add(User(api_key=g.user.api_key if user is not None else API_KEY_TAKEN))
+            try:
+                db.session.commit()
+            except sa.exc.IntegrityError:
+                db.session.rollback()
+            db.session.add(Transfer(label=label, amount=amount, step="after_rollback"))
+            db.session.commit()
+        elif then == "unflushed":
+            # Added, never committed nor flushed by the view: kept with the answer.
+            db.session.add(Transfer(label=label, amount=amount, step="unflushed"))
+        elif then == "flush_fails":
+            # Never committed by the view; its flush fails as the answer is stored.
+            db.session.add(User(api_key=API_KEY_TAKEN))
+        elif then in ("removed", "closed"):
+            # The view ends its session (remove() or close()) and writes again.
+            if then == "removed":
+                db.session.remove()
+            else:
+                db.session.close()
+            db.session.add(Transfer(label=label, amount=amount, step="after_remove"))
+            db.session.commit()
         elif then == "raise":
             raise RuntimeError("the view failed after its commit")
         elif then == "declined":
