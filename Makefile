@@ -30,11 +30,12 @@ test: venv
 
 # The guarantees again with IDEMPOTENCY_CLAIM_MODE=transaction: the reliability
 # suite (the example app reads the variable) and the core app's semantics and
-# concurrency tests (CORE_APP_* reaches its config).
+# concurrency tests (CORE_APP_* reaches its config), and tests/sqlalchemy (SA_APP_*).
 TRANSACTION_MODE_TESTS := tests/reliability tests/core/test_semantics.py tests/core/test_concurrency.py \
-	tests/core/test_field_safety.py tests/core/test_claim_modes.py
+	tests/core/test_field_safety.py tests/core/test_claim_modes.py tests/sqlalchemy
 test-transaction-mode: venv
 	IDEMPOTENCY_CLAIM_MODE=transaction CORE_APP_IDEMPOTENCY_CLAIM_MODE=transaction \
+		SA_APP_IDEMPOTENCY_CLAIM_MODE=transaction \
 		$(PY) -m pytest $(TRANSACTION_MODE_TESTS) $(PYTEST_ARGS)
 
 # Quick feedback while editing: everything but the reliability tests.
@@ -51,9 +52,10 @@ test-reliability: venv
 # crash through it, both claim modes), TLS to PostgreSQL and Redis, Redis
 # Cluster and Sentinel with failovers. Without a pgbouncer binary, an
 # OpenSSL-built PostgreSQL or a TLS-capable redis-server those tests skip and
-# say why (.ci/run installs Debian's pgbouncer when it can).
+# say why (.ci/run installs Debian's pgbouncer when it can). tests/sqlalchemy adds
+# the Flask-SQLAlchemy app (db=db, both dialects) behind PgBouncer.
 test-topologies: venv
-	$(PY) -m pytest -m topology tests/topologies $(PYTEST_ARGS)
+	$(PY) -m pytest -m topology tests/topologies tests/sqlalchemy $(PYTEST_ARGS)
 
 # mypy reads its file list and strictness from setup.cfg.
 lint: venv

@@ -39,6 +39,8 @@ def claim(
     Raises ``StoreUnavailableError`` when PostgreSQL fails (nothing was claimed).
     """
     assert ctx.tx is not None and ctx.record_key is not None
+    if ctx.state.sessions is not None:
+        ctx.state.sessions.detach()  # one pool connection per request, never two
     started = time.monotonic()
     try:
         result = ctx.tx.claim(

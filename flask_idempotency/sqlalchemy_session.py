@@ -80,6 +80,20 @@ class SessionJoin:
         if not event.contains(engine, "savepoint", _begin_before_savepoint):
             event.listen(engine, "savepoint", _begin_before_savepoint)
 
+    def detach(self) -> None:
+        """Before a claim: end the transaction the session began before it (an
+        authentication decorator's query), so its connection is back in the
+        engine's pool before the claim takes one. Otherwise every request would hold
+        two of the pool's connections at once, and a waiting duplicate one while it
+        waits: under load, requests each holding one and waiting for a second empty
+        the pool until its timeout (503s). What the session loaded stays usable and
+        reloads on the attempt's connection."""
+        if not self.sessions.registry.has():
+            return
+        session = self.sessions()
+        if session.in_transaction() and session.info.get(JOINED) is None:
+            session.rollback()
+
     def join(self, ctx: RequestState) -> None:
         """Make ``db.session`` work on ``ctx``'s transaction until the attempt ends."""
         assert ctx.tx is not None
