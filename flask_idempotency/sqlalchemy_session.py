@@ -36,12 +36,13 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from flask import Flask
+from flask import Flask, has_app_context
 from sqlalchemy import event
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from .state import request_state
 from .store.engine_pool import EnginePool
 
 if TYPE_CHECKING:
@@ -87,11 +88,21 @@ class SessionJoin:
         two of the pool's connections at once, and a waiting duplicate one while it
         waits: under load, requests each holding one and waiting for a second empty
         the pool until its timeout (503s). What the session loaded stays usable and
-        reloads on the attempt's connection."""
+        reloads on the attempt's connection. Changes it holds that were never
+        committed are refused (``RuntimeError``) rather than silently dropped."""
         if not self.sessions.registry.has():
             return
         session = self.sessions()
         if session.in_transaction() and session.info.get(JOINED) is None:
+            if session.new or session.deleted or session.dirty:
+                # Rolling back would drop them without a word; committing them would
+                # put them outside the request's transaction. Neither is right.
+                raise RuntimeError(
+                    "db.session has changes made before the idempotent view and not "
+                    "committed (in a before_request or an authentication decorator?): "
+                    "they cannot join the request's transaction. Commit them before "
+                    "the view, or make them inside it."
+                )
             session.rollback()
 
     def join(self, ctx: RequestState) -> None:
@@ -191,6 +202,15 @@ def _begin_before_savepoint(connection: SAConnection, name: str) -> None:
         tx.connection()
 
 
+def _joined_elsewhere(engine: Any) -> bool:
+    """Whether the current attempt joined another session to ``engine``'s database."""
+    if not has_app_context():
+        return False
+    ctx = request_state()
+    joined = ctx.session if ctx is not None else None
+    return isinstance(joined, Joined) and joined.connection.engine is engine
+
+
 def _joining(base: type[Session]) -> type[Session]:
     """``base`` with a ``get_bind`` that routes a joined attempt to its connection."""
 
@@ -200,8 +220,14 @@ def _joining(base: type[Session]) -> type[Session]:
         def get_bind(self, mapper: Any = None, clause: Any = None, **kwargs: Any) -> Any:
             chosen = super().get_bind(mapper=mapper, clause=clause, **kwargs)
             joined: SAConnection | None = self.info.get(JOINED)
-            if joined is not None and chosen is joined.engine:
-                return joined
+            if joined is not None:
+                return joined if chosen is joined.engine else chosen
+            if _joined_elsewhere(chosen):
+                raise RuntimeError(
+                    "a second session on the idempotent request's database (after "
+                    "db.session.remove() in the view?): its writes would not commit with "
+                    "the stored answer. Keep using db.session; don't remove it in the view."
+                )
             return chosen
 
     JoiningSession.__name__ = base.__name__

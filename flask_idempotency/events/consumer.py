@@ -90,7 +90,8 @@ class Result:
     #: Attempts of this message so far, this one included (when the handler ran).
     attempts: int = 0
     #: The completed record: the one this attempt stored (``HANDLED``) or found
-    #: (``DUPLICATE``); what :meth:`~flask_idempotency.events.ConsumerGuard.stored_record` made of a return value.
+    #: (``DUPLICATE``); what
+    #: :meth:`~flask_idempotency.events.ConsumerGuard.stored_record` made of a return value.
     stored: StoredResponse | None = None
     #: The handler's exception, when it raised (``RETRY`` or ``DEAD_LETTERED`` with
     #: ``handler_failed``): a transport with a retry policy of its own re-raises it.

@@ -111,14 +111,9 @@ def test_a_flush_failing_as_the_answer_is_stored_keeps_nothing(
     "ended",
     [
         "closed",
-        pytest.param(
-            "removed",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: after db.session.remove() the registry's new session is not "
-                "joined; its commit() commits on a connection of its own",
-            ),
-        ),
+        # A second session (after db.session.remove()) is refused: the view fails,
+        # and nothing of it is kept.
+        "removed",
     ],
 )
 def test_writes_after_the_view_ends_its_session_follow_the_rules(
@@ -192,24 +187,23 @@ def test_a_query_before_the_claim_holds_no_second_connection(
     assert [rows(dialect_url, label) for label in labels] == [["first"]] * 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the session is rolled back at the claim (SessionJoin.detach/join), "
-    "discarding changes made through it before the claim",
-)
-def test_change_made_before_the_claim_is_kept_with_the_answer(
-    client: Client, dialect_url: str
+def test_change_made_before_the_claim_is_refused_not_dropped(
+    client: Client, dialect_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A ``before_request`` changes the caller's row without committing (a "last
-    seen" mark); the view commits. Without the extension that commit keeps the
-    change; with it, the change is kept with the stored answer."""
+    seen" mark), then the decorated view runs. That change cannot join the
+    request's transaction (it was made on another connection), and dropping it
+    silently would lose a write: the request is refused with a clear error before
+    anything is claimed, and nothing is kept."""
     api_key = new_label("touch")
     seed_user(dialect_url, api_key)
     label = new_label("touch-transfer")
     headers = {"X-Load-User": "before_request", "X-Touch-User": label}
     answer = client.post(label, headers=headers, api_key=api_key)
-    assert answer.status_code == 201, answer.get_data(as_text=True)
-    assert user_row(dialect_url, api_key) == (1, label)
+    assert answer.status_code == 500
+    assert "changes made before the idempotent view" in caplog.text
+    assert rows(dialect_url, label) == []
+    assert user_row(dialect_url, api_key)[1] != label
 
 
 # -- outside a claimed request: plain Flask-SQLAlchemy ------------------------------
