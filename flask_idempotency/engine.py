@@ -74,6 +74,13 @@ def keep_session(ctx: RequestState) -> None:
         sessions.keep(ctx)
 
 
+def checkpoint_session(ctx: RequestState) -> None:
+    """A recovery point is about to commit: the joined session's writes go with it."""
+    sessions = ctx.state.sessions
+    if sessions is not None:
+        sessions.before_checkpoint(ctx)
+
+
 def leave_session(ctx: RequestState) -> None:
     """The attempt's transaction is over: the session is the application's again."""
     sessions = ctx.state.sessions

@@ -81,7 +81,7 @@ def run(ctx: RequestState | None, name: str, step: Callable[[], T]) -> Any:
     if ctx.record_key is not None and ctx.token is not None and tx is not None:
         if tx.holds_lease:  # row mode; in transaction mode all commits at the end
             retry_after = ctx.state.settings.retry_after
-            engine.keep_session(ctx)  # the session's writes commit with the phase
+            engine.checkpoint_session(ctx)  # the session's writes commit with the phase
             try:
                 tx.checkpoint(ctx.record_key, ctx.token, name, encoded)
             except LeaseLostError as exc:

@@ -42,18 +42,33 @@ from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from .errors import StoreUnavailable
 from .state import request_state
+from .store.base import StoreUnavailableError
 from .store.engine_pool import EnginePool
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import scoped_session
 
     from .state import RequestState
+    from .store.request import PostgresRequest
 
 log = logging.getLogger("flask_idempotency.sqlalchemy")
 
 #: ``Session.info`` and ``Connection.info`` key of a joined attempt.
 JOINED = "flask_idempotency.joined"
+
+
+#: The savepoint that stands for "the view's last ``commit()``".
+SAVEPOINT = "flask_idempotency_view"
+#: Sent by the session's ``commit()``: what came before it is kept, a later
+#: ``rollback()`` returns here.
+COMMIT_POINT = f"RELEASE SAVEPOINT {SAVEPOINT};\nSAVEPOINT {SAVEPOINT}"
+#: Sent by the session's ``rollback()``: what came since the last ``commit()`` goes.
+ROLLBACK_POINT = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
+
+#: DBAPI connection -> the attempt joined to it, for the dialect's commit and rollback.
+_JOINED_BY_DBAPI: dict[Any, Joined] = {}
 
 
 @dataclasses.dataclass
@@ -62,12 +77,48 @@ class Joined:
 
     session: Session
     connection: SAConnection
-    #: The session's own ``join_transaction_mode``, restored when the attempt ends.
-    previous_mode: Any
+    tx: PostgresRequest
+    #: Whether the savepoint of the view's last ``commit()`` exists.
+    savepoint: bool = False
+    #: The attempt is being settled: the session's commit or rollback ends its own
+    #: bookkeeping only; the extension's COMMIT or ROLLBACK follows.
+    settling: bool = False
+
+    def open(self) -> None:
+        """The session begins (its first statement, or the first after a
+        ``commit()``): the attempt's transaction opens if the view has not opened
+        it yet, with the savepoint, in one round trip."""
+        if not self.savepoint:
+            self._send(f"SAVEPOINT {SAVEPOINT}", begin=True)
+            self.savepoint = True
+
+    def commit_point(self) -> None:
+        if not self.settling:
+            self._send(COMMIT_POINT)
+
+    def rollback_point(self) -> None:
+        if not self.settling and self.savepoint:
+            self._send(ROLLBACK_POINT)
+
+    def _send(self, sql: str, *, begin: bool = False) -> None:
+        try:
+            self.tx.execute_in_transaction(sql, begin=begin)
+        except StoreUnavailableError as exc:
+            raise StoreUnavailable() from exc
 
 
 class SessionJoin:
-    """Joins an application's scoped session to the claimed attempts of one app."""
+    """Joins an application's scoped session to the claimed attempts of one app.
+
+    The session works on the attempt's connection as its own: it begins, commits
+    and rolls back as usual, and SQLAlchemy asks the dialect to commit or roll
+    back the DBAPI connection. On a joined connection the dialect instead moves a
+    savepoint (``COMMIT_POINT``, ``ROLLBACK_POINT``): the view's ``commit()``
+    keeps what it wrote so far within the attempt's transaction, its
+    ``rollback()`` discards what came since, and only the extension's completion
+    commits. One statement per ``commit()``, as without the extension, sent
+    straight to the driver.
+    """
 
     def __init__(self, engine: Engine, sessions: scoped_session[Any], pool: EnginePool) -> None:
         self.engine = engine
@@ -76,10 +127,7 @@ class SessionJoin:
         factory = sessions.session_factory
         if not getattr(factory.class_, "_idempotency_joins", False):
             factory.class_ = _joining(factory.class_)
-        # The attempt's transaction opens lazily, as on the raw path: the first
-        # savepoint the session asks for sends the BEGIN before it.
-        if not event.contains(engine, "savepoint", _begin_before_savepoint):
-            event.listen(engine, "savepoint", _begin_before_savepoint)
+        _divert_transactions(engine)
 
     def detach(self) -> None:
         """Before a claim: end the transaction the session began before it (an
@@ -108,37 +156,46 @@ class SessionJoin:
     def join(self, ctx: RequestState) -> None:
         """Make ``db.session`` work on ``ctx``'s transaction until the attempt ends."""
         assert ctx.tx is not None
-        connection = self.pool.sqlalchemy_connection(ctx.tx.held_connection())
-        if not connection.in_transaction():
-            connection.begin()  # the extension's transaction, as SQLAlchemy sees it
-        connection.info[JOINED] = ctx.tx
+        raw = ctx.tx.held_connection()
+        connection = self.pool.sqlalchemy_connection(raw)
         session = self.sessions()
         if session.in_transaction():
-            # Work the session began before the claim (an authentication decorator's
-            # query) was on another of the pool's connections: end it; what it loaded
-            # stays usable and reloads on this attempt's connection.
-            session.rollback()
-        previous = session.join_transaction_mode
-        session.join_transaction_mode = "create_savepoint"
+            session.rollback()  # (detach() ended it before the claim; a safety net)
+        joined = Joined(session, connection, ctx.tx)
         session.info[JOINED] = connection
-        ctx.session = Joined(session, connection, previous)
+        connection.info[JOINED] = joined
+        _JOINED_BY_DBAPI[raw] = joined
+        ctx.session = joined
 
     def keep(self, ctx: RequestState) -> None:
-        """The answer will be stored: flush what the session holds and release its
-        savepoint, so the one ``COMMIT`` keeps it. Raises what the flush raises."""
+        """The answer will be stored: flush what the session holds into the attempt's
+        transaction, so the one ``COMMIT`` keeps it. Raises what the flush raises."""
         joined = ctx.session
         if isinstance(joined, Joined) and joined.session.in_transaction():
+            joined.session.flush()
+            joined.settling = True
             joined.session.commit()
 
     def discard(self, ctx: RequestState) -> None:
         """The attempt is released: end the session's transaction without keeping it
-        (best effort: the extension's own rollback follows)."""
+        (the extension's own rollback follows)."""
         joined = ctx.session
-        if isinstance(joined, Joined) and joined.session.in_transaction():
-            try:
-                joined.session.rollback()
-            except Exception as exc:  # the connection may be gone (an outage)
-                log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
+        if isinstance(joined, Joined):
+            joined.settling = True
+            if joined.session.in_transaction():
+                try:
+                    joined.session.rollback()
+                except Exception as exc:  # the connection may be gone (an outage)
+                    log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
+
+    def before_checkpoint(self, ctx: RequestState) -> None:
+        """A recovery point commits the attempt's transaction and opens the next:
+        keep the session's writes in it, and let the next use set a new savepoint."""
+        joined = ctx.session
+        if isinstance(joined, Joined):
+            self.keep(ctx)
+            joined.settling = False
+            joined.savepoint = False
 
     def leave(self, ctx: RequestState) -> None:
         """Give the session back as it was; the attempt's transaction is over."""
@@ -146,21 +203,61 @@ class SessionJoin:
         if not isinstance(joined, Joined):
             return
         ctx.session = None
+        joined.settling = True
         session, connection = joined.session, joined.connection
-        session.info.pop(JOINED, None)
-        session.join_transaction_mode = joined.previous_mode
-        connection.info.pop(JOINED, None)
         if session.in_transaction():
             try:
                 session.rollback()
             except Exception as exc:
                 log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
-        outer = connection.get_transaction()
-        if outer is not None and not connection.closed:
-            try:
-                outer.rollback()  # nothing to send: the extension committed or rolled back
-            except Exception as exc:
-                log.debug("idempotency: connection reset failed: %s", type(exc).__name__)
+        session.info.pop(JOINED, None)
+        connection.info.pop(JOINED, None)
+        _JOINED_BY_DBAPI.pop(joined.tx.held_connection_or_none(), None)
+
+
+def _divert_transactions(engine: Engine) -> None:
+    """On a joined connection, the dialect's commit and rollback move the view's
+    savepoint instead of ending the attempt's transaction; on every other
+    connection they are the dialect's own. The attempt's transaction itself opens
+    with the session's first ``BEGIN`` (SQLAlchemy's ``begin`` event)."""
+    dialect = engine.dialect
+    if getattr(dialect, "_idempotency_diverted", False):
+        return
+    commit, rollback = dialect.do_commit, dialect.do_rollback
+
+    def do_commit(dbapi_connection: Any) -> None:
+        joined = _joined_to(dbapi_connection)
+        if joined is None:
+            commit(dbapi_connection)
+        else:
+            joined.commit_point()
+
+    def do_rollback(dbapi_connection: Any) -> None:
+        joined = _joined_to(dbapi_connection)
+        if joined is None:
+            rollback(dbapi_connection)
+        else:
+            joined.rollback_point()
+
+    dialect.do_commit = do_commit  # type: ignore[method-assign]
+    dialect.do_rollback = do_rollback  # type: ignore[method-assign]
+    dialect._idempotency_diverted = True  # type: ignore[attr-defined]
+    event.listen(engine, "begin", _open_on_begin)
+
+
+def _joined_to(dbapi_connection: Any) -> Joined | None:
+    """The attempt joined to a connection SQLAlchemy hands its dialect (the pool's
+    proxy of the driver's connection, or the driver's connection itself)."""
+    if not _JOINED_BY_DBAPI:
+        return None
+    raw = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    return _JOINED_BY_DBAPI.get(raw)
+
+
+def _open_on_begin(connection: SAConnection) -> None:
+    joined = connection.info.get(JOINED)
+    if joined is not None:
+        joined.open()
 
 
 def from_app(
@@ -192,14 +289,6 @@ def from_app(
     if not hasattr(session, "session_factory") or not hasattr(session, "registry"):
         raise TypeError("session= must be a sqlalchemy.orm.scoped_session")
     return pool, SessionJoin(engine, session, pool)
-
-
-def _begin_before_savepoint(connection: SAConnection, name: str) -> None:
-    """SQLAlchemy is about to send ``SAVEPOINT`` on a joined attempt's connection:
-    open the attempt's transaction first if the view has not yet."""
-    tx = connection.info.get(JOINED)
-    if tx is not None:
-        tx.connection()
 
 
 def _joined_elsewhere(engine: Any) -> bool:

@@ -30,6 +30,11 @@ class ResponseCache(Protocol):
 
     def close(self) -> None: ...
 
+    def ping(self) -> None:
+        """Raise if the cache does not answer (health checks; the request path
+        never needs it: a failing cache is a miss)."""
+        ...
+
 
 class NullCache:
     """No cache: every request goes to PostgreSQL."""
@@ -43,6 +48,9 @@ class NullCache:
         return None
 
     def evict(self, record_keys: Sequence[bytes]) -> None:
+        return None
+
+    def ping(self) -> None:
         return None
 
     def close(self) -> None:

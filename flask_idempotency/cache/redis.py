@@ -219,6 +219,11 @@ class RedisCache:
         else:
             self._call("DEL", record_keys[0], lambda: self._execute("DEL", *keys))
 
+    def ping(self) -> None:
+        """One ``PING`` through the client, raising what redis-py raises (the breaker
+        and the fail-open rules of the request path do not apply)."""
+        self.client.ping()
+
     def close(self) -> None:
         """Close the client if we built it; an application's own client stays its own."""
         if self._owns_client:

@@ -11,6 +11,7 @@ script must give it); 130 / 143 stopped between batches by SIGINT / SIGTERM.
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +24,8 @@ from ..events import outbox
 from ..keys import parse_key, record_key
 from ..state import AppState, app_state
 from ..store.base import RecordInfo, StoreUnavailableError
+from .doctor import diagnose
+from .doctor import document as diagnosis_document
 from .output import echo_document, json_option
 from .progress import Progress, interval_option
 from .prompts import confirm, yes_option
@@ -448,3 +451,28 @@ def unlock(
         raise click.ClickException("no processing record for that key and scope")
     state.cache.evict([rkey])
     click.echo("released")
+
+
+@group.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency doctor
+  flask --app example_app idempotency doctor --json | jq '.checks[] | select(.status != "ok")'
+"""
+)
+@json_option
+def doctor(as_json: bool) -> None:
+    """Check the set-up: PostgreSQL answers, every migration is applied, Redis and
+    the broker answer when configured, the pool's size. Says what to run or set
+    for each problem; exits 1 if a check fails."""
+    checks = diagnose(_state())
+    result = diagnosis_document(checks)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        for check in checks:
+            click.echo(f"{check.status:<4}  {check.name:<14} {check.detail}")
+            if check.fix and check.status != "ok":
+                click.echo(f"{'':20}-> {check.fix}")
+    if not result["ok"]:
+        raise click.exceptions.Exit(1)

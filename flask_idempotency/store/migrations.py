@@ -104,6 +104,21 @@ def apply(conn: psycopg2.extensions.connection, migrations: Iterable[tuple[str, 
     return applied_now
 
 
+#: Whether any migrate ran yet (``to_regclass`` is NULL for a missing table).
+LEDGER_EXISTS = "SELECT to_regclass('idempotency_schema_migrations') IS NOT NULL"
+
+
+def pending(cur: Cursor, migrations: Iterable[tuple[str, str]]) -> list[str]:
+    """The names of ``migrations`` the database has not applied (all of them before
+    the first migrate), read without taking the migration lock."""
+    cur.execute(LEDGER_EXISTS)
+    if not cur.fetchall()[0][0]:
+        return [name for name, _ in migrations]
+    cur.execute("SELECT name FROM idempotency_schema_migrations")
+    done = {row[0] for row in cur.fetchall()}
+    return [name for name, _ in migrations if name not in done]
+
+
 def apply_in_transaction(cur: Cursor, migrations: Iterable[tuple[str, str]]) -> list[str]:
     """Apply what is missing on ``cur``, inside the transaction its connection is
     already in (the caller commits or rolls back); return the names applied now.

@@ -230,6 +230,12 @@ class PostgresStore(Maintenance):
                 raise StoreUnavailableError(f"renewal failed: {reason}") from error
             return count
 
+    def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
+        """The migrations this database has not applied (``flask idempotency doctor``)."""
+        found = migrations.all_migrations(extra_dirs)
+        with self.autocommit() as conn, self.driver.cursor(conn) as cur:
+            return migrations.pending(cur, found)
+
     def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         found = migrations.all_migrations(extra_dirs)
         with self.autocommit() as conn:

@@ -92,6 +92,27 @@ class PostgresRequest:
             self._conn = self._store.pool.getconn()
         return self._conn
 
+    def held_connection_or_none(self) -> Connection | None:
+        """The connection this request holds right now, if any."""
+        return self._conn
+
+    def execute_in_transaction(self, sql: str, *, begin: bool = False) -> None:
+        """Run ``sql`` (a joined session's savepoint statement) in this request's
+        transaction; with ``begin``, open the transaction first if the view has not,
+        in the same round trip. A failure to reach PostgreSQL is a
+        ``StoreUnavailableError``; any other error is the driver's."""
+        conn = self._acquire()
+        opening = begin and not self._in_transaction
+        try:
+            self._execute(conn, ("BEGIN;\n" + sql) if opening else sql)
+        except driver.ERRORS as exc:
+            if self._unresponsive or is_unreachable(exc, conn):
+                self._drop()
+                raise StoreUnavailableError(f"savepoint failed: {type(exc).__name__}") from exc
+            raise
+        if opening:
+            self._in_transaction = True
+
     def held_connection(self) -> Connection:
         """The connection this request works on (taken from the pool if it has none
         yet), whatever its transaction state: for joining a session to it."""
