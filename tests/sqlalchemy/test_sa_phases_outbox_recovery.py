@@ -20,7 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Abandoned, Idempotency, global_scope, keys
 from flask_idempotency.completer import Recoverer, RecoveryOutcome
-from flask_idempotency.recovery import capture
+from flask_idempotency.recovery import capture, recoverable_routes
 
 DIALECTS = ("psycopg2", "psycopg")
 
@@ -165,8 +165,7 @@ def test_recover_writes_through_the_session_with_the_recovered_answer(
     ):
         from flask import request as current
 
-        route = app.view_functions["charge"]
-        options = route._idempotency_route  # type: ignore[attr-defined]
+        options = recoverable_routes(app)["charge"]
         record_key = keys.record_key(global_scope(current), label)
         fingerprint = state.options_for(options).fingerprint_func(current)
         tx = state.store.begin()
