@@ -112,7 +112,7 @@ def _broker(state: AppState) -> Check:
 
     try:
         with connect(url, timeout=3.0) as connection:
-            ms = _timed(connection.ensure_connection)
+            ms = _timed(lambda: connection.ensure_connection(max_retries=1))
     except Exception as exc:
         return Check(
             "broker",

@@ -67,7 +67,17 @@ def test_an_unreachable_database_is_1_without_a_traceback(clean_db: str) -> None
 
 
 def test_every_command_shows_an_example_in_its_help(cli_app: Flask) -> None:
-    for command in ("", "migrate", "purge", "show", "stats", "recover", "unlock", "relay"):
+    for command in (
+        "",
+        "migrate",
+        "purge",
+        "show",
+        "stats",
+        "recover",
+        "unlock",
+        "relay",
+        "doctor",
+    ):
         args = [command, "--help"] if command else ["--help"]
         result = run(cli_app, *args)
         assert result.exit_code == 0, result.output
