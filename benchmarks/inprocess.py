@@ -140,6 +140,11 @@ class Subject:
             raise
         return self
 
+    @property
+    def app(self) -> Flask:
+        assert self.wsgi is not None, "use Subject as a context manager"
+        return self.wsgi
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 

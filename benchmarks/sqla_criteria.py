@@ -38,6 +38,7 @@ import secrets
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -45,7 +46,7 @@ from typing import Any
 
 from . import app as bench_app
 from . import cpu
-from .inprocess import Probe, Subject
+from .inprocess import Answer, Probe, Subject, caller, environs
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PATHS = ("first", "replay")
@@ -61,6 +62,9 @@ HANDWRITTEN = "sqla-handwritten"
 #: path's; at or below the hand-written layer's.
 RAW_MARK = 1.15
 HANDWRITTEN_MARK = 1.00
+
+#: Requests a subject runs before the next one takes its turn.
+CHUNK = 25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +105,17 @@ def total(probe: Probe) -> float:
 
 
 def run(
-    subjects: Sequence[str], rounds: int, n: int, warmup: int
+    subjects: Sequence[str], rounds: int, n: int, warmup: int, chunk: int = CHUNK
 ) -> list[dict[str, dict[str, Probe]]]:
-    """Per round, per path, per subject: one probe. Subjects interleaved, rotated."""
+    """Per round, per path, per subject: one probe of ``n`` requests.
+
+    Within a round the subjects take turns ``chunk`` requests at a time (in an
+    order rotated each round), so that a minute in which the shared machine is
+    slow falls on all of them alike: measured one after the other, 2 s each,
+    the same subject's CPU per request moved by a third from one measurement to
+    the next here, more than the differences being measured. The app's CPU is
+    summed over its chunks; its PostgreSQL backends serve no other subject, so
+    theirs is read once around the whole round."""
     meter = cpu.CpuMeter(bench_app.database_url(), None) if cpu.available() else None
     results: list[dict[str, dict[str, Probe]]] = []
     try:
@@ -112,15 +124,49 @@ def run(
             for round_no in range(rounds):
                 shift = round_no % len(subjects)
                 order = [*subjects[shift:], *subjects[:shift]]
-                this_round: dict[str, dict[str, Probe]] = {}
-                for path in PATHS:
-                    this_round[path] = {s: opened[s].probe(path, n, warmup) for s in order}
+                this_round = {path: interleaved(opened, order, path, n, warmup, chunk, meter)
+                              for path in PATHS}  # fmt: skip
                 results.append(this_round)
                 print(_round_line(round_no, this_round, subjects), flush=True)
     finally:
         if meter is not None:
             meter.close()
     return results
+
+
+def interleaved(
+    opened: dict[str, Subject],
+    order: Sequence[str],
+    path: str,
+    n: int,
+    warmup: int,
+    chunk: int,
+    meter: cpu.CpuMeter | None,
+) -> dict[str, Probe]:
+    """Every subject's ``path``, ``n`` requests each, taken ``chunk`` at a time in turn."""
+    calls = {s: caller(opened[s].app) for s in order}
+    batches = {s: environs(path, n + warmup, opened[s].replay_key) for s in order}
+    for s in order:
+        for environ in batches[s][:warmup]:
+            calls[s](environ)
+    before = {s: meter.start(os.getpid(), opened[s].label) for s in order} if meter else {}
+    app_cpu = dict.fromkeys(order, 0.0)
+    wall = dict.fromkeys(order, 0.0)
+    answers: dict[str, Counter[Answer]] = {s: Counter() for s in order}
+    for start in range(warmup, warmup + n, chunk):
+        for s in order:
+            call, batch = calls[s], batches[s][start : min(start + chunk, warmup + n)]
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            answers[s].update(call(environ) for environ in batch)
+            app_cpu[s] += time.process_time() - cpu0
+            wall[s] += time.perf_counter() - wall0
+    found = {}
+    for s in order:
+        postgres_us = None
+        if meter is not None:
+            postgres_us = meter.delta(before[s], os.getpid(), opened[s].label).postgres / n * 1e6
+        found[s] = Probe(app_cpu[s] / n * 1e6, wall[s] / n * 1e6, answers[s], postgres_us)
+    return found
 
 
 def _round_line(
@@ -200,8 +246,9 @@ def render(
         "",
         f"Run `{meta['run_id']}` started {meta['started']} ({meta['wall_seconds']} s): "
         f"{meta['rounds']} rounds x {meta['requests']} requests per subject and path "
-        f"(after {meta['warmup']} discarded), subjects interleaved in an order rotated each "
-        f"round; {meta['cpus']} CPUs, 1-minute load average {meta['load_average'][0]} at the "
+        f"(after {meta['warmup']} discarded), the subjects taking turns {meta['chunk']} "
+        "requests at a time, in an order rotated each round; "
+        f"{meta['cpus']} CPUs, 1-minute load average {meta['load_average'][0]} at the "
         f"start and {meta['load_average'][1]} at the end; Python {meta['python']}, "
         f"SQLAlchemy {meta['sqlalchemy']}, Flask-SQLAlchemy {meta['flask_sqlalchemy']}.",
         "",
@@ -254,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("-n", type=int, default=1000, help="requests per subject, path and round")
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--chunk", type=int, default=CHUNK, help="requests per turn")
     parser.add_argument("--txclaim", action="store_true", help="the transaction claim mode too")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -263,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("cannot run: " + "; ".join(reasons))
     run_id = secrets.token_hex(4)
     started, load_before = time.time(), os.getloadavg()
-    results = run(subjects, args.rounds, args.n, args.warmup)
+    results = run(subjects, args.rounds, args.n, args.warmup, args.chunk)
     from importlib.metadata import version
 
     meta = {
@@ -273,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "requests": args.n,
         "warmup": args.warmup,
+        "chunk": args.chunk,
         "cpus": os.cpu_count(),
         "load_average": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "python": sys.version.split()[0],
