@@ -28,6 +28,10 @@ that the only difference between two subjects is what idempotency adds:
 ``minimum-pg+redis``
     a hand-written PostgreSQL-first layer, the floor of a durable design
     (``benchmarks.minimum``).
+``sqla-bare``, ``sqla-pg``, ``sqla-pg-txclaim``, ``sqla-handwritten``
+    the same view on Flask-SQLAlchemy's ``db.session``: without idempotency,
+    with ``Idempotency(app, db=db)``, and a hand-written idempotency layer in
+    one transaction (``benchmarks.sqla``). ``sqla-bare`` is their baseline.
 ``idemkit-pg``, ``flask-once-redis``, ``powertools-redis``
     other idempotency layers from the package index, each wired as its own
     documentation says (``benchmarks.peers``). Benchmark-only dependencies:
@@ -73,6 +77,10 @@ SUBJECTS: tuple[str, ...] = (
     "pg-txclaim",
     "pg+redis-txclaim",
     "minimum-pg+redis",
+    "sqla-bare",
+    "sqla-pg",
+    "sqla-pg-txclaim",
+    "sqla-handwritten",
     "idemkit-pg",
     "flask-once-redis",
     "powertools-redis",
@@ -87,6 +95,10 @@ DEFAULT_SUBJECTS: tuple[str, ...] = (
     "pg-txclaim",
     "pg+redis-txclaim",
     "minimum-pg+redis",
+    # The same view on Flask-SQLAlchemy: its baseline, the extension, by hand.
+    "sqla-bare",
+    "sqla-pg",
+    "sqla-handwritten",
     "idemkit-pg",
     "flask-once-redis",
     # powertools-redis joins with --subjects: two peers keep the run near 18 minutes.
@@ -97,6 +109,10 @@ EXTENSION_SUBJECTS = frozenset(subject for subject in SUBJECTS if subject.starts
 #: Subjects that set ``IDEMPOTENCY_CLAIM_MODE = "transaction"``.
 TXCLAIM_SUBJECTS = frozenset({"pg-txclaim", "pg+redis-txclaim"})
 MINIMUM = "minimum-pg+redis"
+#: The Flask-SQLAlchemy subjects (``benchmarks.sqla``); the first is their baseline.
+SQLA_SUBJECTS: tuple[str, ...] = ("sqla-bare", "sqla-pg", "sqla-pg-txclaim", "sqla-handwritten")
+SQLA_BASELINE = "sqla-bare"
+SQLA_REQUIREMENT = "flask-sqlalchemy"
 #: Peers from the package index: subject -> (module it needs, pinned requirement).
 PEERS: dict[str, tuple[str, str]] = {
     "idemkit-pg": ("idemkit", "idemkit[postgres]"),
@@ -178,6 +194,13 @@ def unavailable(subject: str) -> str | None:
             f"{subject}: this checkout's extension has no IDEMPOTENCY_CLAIM_MODE "
             "(flask_idempotency.settings.Settings has no claim_mode field)"
         )
+    if subject in SQLA_SUBJECTS and find_spec("flask_sqlalchemy") is None:
+        return (
+            f"{subject}: {SQLA_REQUIREMENT} is not installed "
+            f"(pip install -r {PEERS_REQUIREMENTS}; make bench does)"
+        )
+    if subject == "sqla-pg-txclaim" and not claim_mode_available():
+        return f"{subject}: this checkout's extension has no IDEMPOTENCY_CLAIM_MODE"
     if subject in PEERS:
         module, requirement = PEERS[subject]
         if find_spec(module) is None:
@@ -326,6 +349,12 @@ def create_app(subject: str | None = None, config: Mapping[str, Any] | None = No
         peers.register(subject, app, database_url(), redis_url())
         return app
 
+    if subject in SQLA_SUBJECTS:
+        from . import sqla
+
+        sqla.register(subject, app, database_url(), dict(config or {}))
+        return app
+
     app.config.update(subject_config(subject, database_url(), redis_url()))
     app.config.update(config or {})
     idempotency = Idempotency(app)
@@ -344,7 +373,13 @@ def create_app(subject: str | None = None, config: Mapping[str, Any] | None = No
 
 
 #: Tables a run empties before the servers start, when they exist.
-BENCH_TABLES = ("bench_charges", "idempotency_records", "bench_minimum_keys", "idemkit_records")
+BENCH_TABLES = (
+    "bench_charges",
+    "idempotency_records",
+    "bench_minimum_keys",
+    "bench_sqla_keys",
+    "idemkit_records",
+)
 
 
 def prepare_database(dsn: str, subjects: Collection[str] = ()) -> None:
@@ -363,6 +398,10 @@ def prepare_database(dsn: str, subjects: Collection[str] = ()) -> None:
             from . import minimum
 
             minimum.create_table(conn)
+        if "sqla-handwritten" in subjects:
+            from . import sqla
+
+            sqla.create_table(conn)
     finally:
         conn.close()
     app = Flask(__name__)

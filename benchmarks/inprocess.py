@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import os
 import secrets
 import sys
 import time
@@ -32,6 +33,7 @@ from flask import Flask
 from flask_idempotency.responses import REPLAYED_HEADER
 
 from . import app as bench_app
+from . import cpu
 from .app import CHARGES_PATH, HEALTH_PATH, REQUEST_BODY, SUBJECTS
 
 PATHS = ("first", "replay", "noop")
@@ -44,9 +46,12 @@ Answer = tuple[str, str | None]
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
+    #: This process's CPU per request: Flask, the extension, the driver (all threads).
     cpu_us: float
     wall_us: float
     answers: Counter[Answer]
+    #: The subject's PostgreSQL backends' CPU per request, when a meter counted it.
+    postgres_us: float | None = None
 
 
 def make_environ(key: str | None, method: str = "POST", path: str = CHARGES_PATH) -> dict[str, Any]:
@@ -107,28 +112,76 @@ def environs(path: str, n: int, replay_key: str) -> list[dict[str, Any]]:
     return [make_environ(f"inproc-{secrets.token_hex(8)}") for _ in range(n)]
 
 
-def measure(subject: str, path: str, n: int, warmup: int) -> Probe:
-    """CPU and wall microseconds per request, after ``warmup`` discarded requests,
-    and what the measured requests answered."""
-    bench_app.prepare_database(bench_app.database_url(), [subject])
-    wsgi = bench_app.create_app(subject)
-    call = caller(wsgi)
-    try:
-        replay_key = f"inproc-replay-{secrets.token_hex(8)}"
-        status, _ = call(make_environ(replay_key))
-        if not status.startswith("201"):
-            raise RuntimeError(f"{subject}: the first request answered {status}")
-        for environ in environs(path, warmup, replay_key):
-            call(environ)
-        batch = environs(path, n, replay_key)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        answers = Counter(call(environ) for environ in batch)
-        cpu1, wall1 = time.process_time(), time.perf_counter()
-    finally:
+class Subject:
+    """One subject's app, built once, measured as often as asked.
+
+    Used as a context manager: it prepares the database, builds the app,
+    completes the key the replay path replays, and closes the extension's
+    store and the app's SQLAlchemy engine on the way out. With ``meter`` each
+    probe also counts the CPU of the subject's PostgreSQL backends (labelled
+    by ``application_name``; ``benchmarks.cpu``)."""
+
+    def __init__(self, subject: str, meter: cpu.CpuMeter | None = None) -> None:
+        self.subject = subject
+        self.meter = meter
+        self.label = bench_app.application_name(subject)
+        self.wsgi: Flask | None = None
+        self.replay_key = f"inproc-replay-{secrets.token_hex(8)}"
+
+    def __enter__(self) -> Subject:
+        bench_app.prepare_database(bench_app.database_url(), [self.subject])
+        self.wsgi = bench_app.create_app(self.subject)
+        try:
+            status, _ = caller(self.wsgi)(make_environ(self.replay_key))
+            if not status.startswith("201"):
+                raise RuntimeError(f"{self.subject}: the first request answered {status}")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @property
+    def app(self) -> Flask:
+        assert self.wsgi is not None, "use Subject as a context manager"
+        return self.wsgi
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        wsgi, self.wsgi = self.wsgi, None
+        if wsgi is None:
+            return
         state = wsgi.extensions.get("idempotency")
         if state is not None:
             state.close()
-    return Probe((cpu1 - cpu0) / n * 1e6, (wall1 - wall0) / n * 1e6, answers)
+        db = wsgi.extensions.get("sqlalchemy")
+        if db is not None:
+            with wsgi.app_context():
+                db.engine.dispose()
+
+    def probe(self, path: str, n: int, warmup: int) -> Probe:
+        """CPU and wall microseconds per request, after ``warmup`` discarded requests,
+        and what the measured requests answered."""
+        assert self.wsgi is not None, "use Subject as a context manager"
+        call = caller(self.wsgi)
+        for environ in environs(path, warmup, self.replay_key):
+            call(environ)
+        batch = environs(path, n, self.replay_key)
+        before = self.meter.start(os.getpid(), self.label) if self.meter is not None else None
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        answers = Counter(call(environ) for environ in batch)
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+        postgres_us = None
+        if self.meter is not None and before is not None:
+            postgres_us = self.meter.delta(before, os.getpid(), self.label).postgres / n * 1e6
+        return Probe((cpu1 - cpu0) / n * 1e6, (wall1 - wall0) / n * 1e6, answers, postgres_us)
+
+
+def measure(subject: str, path: str, n: int, warmup: int) -> Probe:
+    """One subject's ``path``, ``n`` requests after ``warmup`` discarded ones."""
+    with Subject(subject) as opened:
+        return opened.probe(path, n, warmup)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,14 @@ interleaved over rounds:
 * ``transaction claim only``: that claim and a ``ROLLBACK``, against
   ``BEGIN`` and ``ROLLBACK`` alone (``begin+rollback``): the claim's own cost;
 * ``bare + record``: ``bare`` with the completed record inserted before its
-  ``COMMIT``: what storing the answer durably costs, without any claim.
+  ``COMMIT``: what storing the answer durably costs, without any claim;
+* ``bare + savepoint``: ``bare`` with ``SAVEPOINT`` before the ``INSERT`` and
+  ``RELEASE SAVEPOINT`` after it: what a ``db.session`` joined to the request's
+  transaction adds per session transaction, at the driver;
+* ``sqlalchemy bare`` and ``sqlalchemy + savepoint`` (when SQLAlchemy is
+  installed): the same two through a SQLAlchemy ``Connection``
+  (``begin()``, ``begin_nested()``, ``execute()``, ``commit()``), so the
+  difference between them is the savepoint's whole cost, SQLAlchemy included.
 
 For each it prints the backend's CPU (from ``/proc``, so run it on the
 database's machine), this process's CPU (driver, library and socket calls)
@@ -33,6 +40,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import psycopg2
@@ -76,17 +84,29 @@ class Probe:
         self.plain.autocommit = True
         self.side = psycopg2.connect(dsn)
         self.side.autocommit = True
+        self.sqlalchemy: Any = None
+        if find_spec("sqlalchemy") is not None:
+            import sqlalchemy
+
+            url = dsn.replace("postgresql://", "postgresql+psycopg2://", 1)
+            engine = sqlalchemy.create_engine(url, pool_size=1, max_overflow=0)
+            self.sqlalchemy = engine.connect()
 
     def close(self) -> None:
         for store in self.stores.values():
             store.close()
         self.plain.close()
         self.side.close()
+        if self.sqlalchemy is not None:
+            self.sqlalchemy.close()
+            self.sqlalchemy.engine.dispose()
 
     def backend_pid(self, connection: str) -> int:
         """The backend of ``"plain"`` or of a claim mode's pooled connection."""
         if connection == "plain":
             return int(self.plain.get_backend_pid())
+        if connection == "sqlalchemy":
+            return int(self.sqlalchemy.connection.driver_connection.get_backend_pid())
         tx = self.stores[connection].begin()
         try:
             pid: int = tx.connection().get_backend_pid()
@@ -164,6 +184,15 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
                 (record_key, fingerprint, TTL, *response_params(RESPONSE)),
             )
 
+    def bare_and_savepoint() -> None:
+        with plain.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute("SAVEPOINT sa_savepoint_1")
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute("RELEASE SAVEPOINT sa_savepoint_1")
+            cur.execute("COMMIT")
+
     def begin_rollback() -> None:
         with plain.cursor() as cur:
             cur.execute("BEGIN")
@@ -177,13 +206,39 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
         finally:
             tx.close()  # the ROLLBACK
 
-    return {
+    found = {
         "bare": ("plain", bare),
         "row": ("row", lambda: first_request(row)),
         "transaction": ("transaction", lambda: first_request(transaction)),
         "bare + record": ("plain", bare_and_record),
         "begin+rollback": ("plain", begin_rollback),
         "transaction claim only": ("transaction", claim_only),
+        "bare + savepoint": ("plain", bare_and_savepoint),
+    }
+    if probe.sqlalchemy is not None:
+        found.update(sqlalchemy_sequences(probe.sqlalchemy))
+    return found
+
+
+def sqlalchemy_sequences(conn: Any) -> dict[str, tuple[str, Callable[[], None]]]:
+    """``bare`` and ``bare + savepoint`` through a SQLAlchemy ``Connection``."""
+    from sqlalchemy import text
+
+    insert = text(INSERT_CHARGE.replace("%s", ":amount", 1).replace("%s", ":currency", 1))
+    params = {"amount": 1000, "currency": "usd"}
+
+    def sqlalchemy_bare() -> None:
+        with conn.begin():
+            conn.execute(insert, params).first()
+
+    def sqlalchemy_savepoint() -> None:
+        with conn.begin():
+            with conn.begin_nested():
+                conn.execute(insert, params).first()
+
+    return {
+        "sqlalchemy bare": ("sqlalchemy", sqlalchemy_bare),
+        "sqlalchemy + savepoint": ("sqlalchemy", sqlalchemy_savepoint),
     }
 
 
