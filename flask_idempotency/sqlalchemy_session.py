@@ -59,13 +59,8 @@ log = logging.getLogger("flask_idempotency.sqlalchemy")
 JOINED = "flask_idempotency.joined"
 
 
-#: The savepoint that stands for "the view's last ``commit()``".
+#: The savepoint that marks "the view's last ``commit()``".
 SAVEPOINT = "flask_idempotency_view"
-#: Sent by the session's ``commit()``: what came before it is kept, a later
-#: ``rollback()`` returns here.
-COMMIT_POINT = f"RELEASE SAVEPOINT {SAVEPOINT};\nSAVEPOINT {SAVEPOINT}"
-#: Sent by the session's ``rollback()``: what came since the last ``commit()`` goes.
-ROLLBACK_POINT = f"ROLLBACK TO SAVEPOINT {SAVEPOINT}"
 
 #: DBAPI connection -> the attempt joined to it, for the dialect's commit and rollback.
 _JOINED_BY_DBAPI: dict[Any, Joined] = {}
@@ -73,32 +68,52 @@ _JOINED_BY_DBAPI: dict[Any, Joined] = {}
 
 @dataclasses.dataclass
 class Joined:
-    """One attempt's session, joined to its connection."""
+    """One attempt's session, joined to its connection.
+
+    The view's ``commit()`` costs no statement: it only notes that the next
+    stretch of work needs a savepoint to return to, which the session's next
+    ``BEGIN`` sets (most views commit once and are done, and never pay for it).
+    Its ``rollback()`` returns to that savepoint, or, when nothing was committed
+    yet in a row-mode attempt, restarts the attempt's transaction (the claim is
+    committed on its own there). A transaction-mode attempt's transaction holds
+    the claim itself, so its first stretch always starts with a savepoint.
+    """
 
     session: Session
     connection: SAConnection
     tx: PostgresRequest
-    #: Whether the savepoint of the view's last ``commit()`` exists.
+    #: A savepoint marks where the current stretch of work began.
     savepoint: bool = False
+    #: The view committed: the next stretch needs a savepoint of its own.
+    committed: bool = False
     #: The attempt is being settled: the session's commit or rollback ends its own
     #: bookkeeping only; the extension's COMMIT or ROLLBACK follows.
     settling: bool = False
 
     def open(self) -> None:
         """The session begins (its first statement, or the first after a
-        ``commit()``): the attempt's transaction opens if the view has not opened
-        it yet, with the savepoint, in one round trip."""
-        if not self.savepoint:
-            self._send(f"SAVEPOINT {SAVEPOINT}", begin=True)
-            self.savepoint = True
+        ``commit()``)."""
+        tx = self.tx
+        if not tx.in_transaction:
+            # The attempt's transaction opens with the session's first statement, as
+            # the raw path's opens with the view's first connection() call.
+            self._send("BEGIN", begin=True)
+            self.savepoint = self.committed = False
+        elif self.committed or (not self.savepoint and not tx.holds_lease):
+            self._send(f"SAVEPOINT {SAVEPOINT}")
+            self.savepoint, self.committed = True, False
 
     def commit_point(self) -> None:
         if not self.settling:
-            self._send(COMMIT_POINT)
+            self.committed = True
 
     def rollback_point(self) -> None:
-        if not self.settling and self.savepoint:
-            self._send(ROLLBACK_POINT)
+        if self.settling:
+            return
+        if self.savepoint:
+            self._send(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+        else:  # row mode, nothing committed yet: all of it goes
+            self._send("ROLLBACK;\nBEGIN")
 
     def _send(self, sql: str, *, begin: bool = False) -> None:
         try:
@@ -113,10 +128,9 @@ class SessionJoin:
     The session works on the attempt's connection as its own: it begins, commits
     and rolls back as usual, and SQLAlchemy asks the dialect to commit or roll
     back the DBAPI connection. On a joined connection the dialect instead moves a
-    savepoint (``COMMIT_POINT``, ``ROLLBACK_POINT``): the view's ``commit()``
-    keeps what it wrote so far within the attempt's transaction, its
-    ``rollback()`` discards what came since, and only the extension's completion
-    commits. One statement per ``commit()``, as without the extension, sent
+    savepoint (see :class:`Joined`): the view's ``commit()`` keeps what it wrote
+    so far within the attempt's transaction, its ``rollback()`` discards what
+    came since, and only the extension's completion commits. What is sent goes
     straight to the driver.
     """
 
@@ -195,7 +209,7 @@ class SessionJoin:
         if isinstance(joined, Joined):
             self.keep(ctx)
             joined.settling = False
-            joined.savepoint = False
+            joined.savepoint = joined.committed = False
 
     def leave(self, ctx: RequestState) -> None:
         """Give the session back as it was; the attempt's transaction is over."""

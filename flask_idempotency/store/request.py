@@ -92,6 +92,12 @@ class PostgresRequest:
             self._conn = self._store.pool.getconn()
         return self._conn
 
+    @property
+    def in_transaction(self) -> bool:
+        """Whether this request's transaction is open (a claim in transaction mode,
+        or the view's first use of its connection)."""
+        return self._in_transaction
+
     def held_connection_or_none(self) -> Connection | None:
         """The connection this request holds right now, if any."""
         return self._conn
@@ -104,7 +110,9 @@ class PostgresRequest:
         conn = self._acquire()
         opening = begin and not self._in_transaction
         try:
-            self._execute(conn, ("BEGIN;\n" + sql) if opening else sql)
+            if opening and sql != "BEGIN":
+                sql = "BEGIN;\n" + sql
+            self._execute(conn, sql)
         except driver.ERRORS as exc:
             if self._unresponsive or is_unreachable(exc, conn):
                 self._drop()
