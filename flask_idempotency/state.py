@@ -18,7 +18,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flask import Flask, Request, current_app, g, has_app_context
 
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from .metrics import Metrics
     from .observer import RequestOutcome
     from .settings import Settings
-    from .sqlalchemy_session import SessionJoin
     from .store.postgres import PostgresStore
     from .store.request import PostgresRequest
 
@@ -41,6 +40,23 @@ log = logging.getLogger("flask_idempotency")
 EXTENSION_KEY = "idempotency"
 #: ``g`` attribute of the current request's :class:`RequestState`.
 _REQUEST_ATTRIBUTE = "_idempotency"
+
+
+class SessionHooks(Protocol):
+    """How an application's SQLAlchemy session joins each attempt
+    (``sqlalchemy_session.SessionJoin``, with ``db=``); the engine calls these."""
+
+    def detach(self) -> None: ...
+
+    def join(self, ctx: RequestState) -> None: ...
+
+    def keep(self, ctx: RequestState) -> None: ...
+
+    def discard(self, ctx: RequestState) -> None: ...
+
+    def before_checkpoint(self, ctx: RequestState) -> None: ...
+
+    def leave(self, ctx: RequestState) -> None: ...
 
 
 @dataclasses.dataclass
@@ -55,7 +71,7 @@ class AppState:
     #: The error format and replay headers (``IDEMPOTENCY_PROFILE``).
     profile: Profile
     #: Joins the application's SQLAlchemy session to claimed attempts (``db=``).
-    sessions: SessionJoin | None = None
+    sessions: SessionHooks | None = None
     #: ``IDEMPOTENCY_AUTO_MIGRATE`` found PostgreSQL unreachable at start-up: the
     #: migrations run before the first request that reaches it instead.
     migrations_pending: bool = False

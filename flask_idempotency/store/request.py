@@ -11,7 +11,7 @@ release, recovery points) is :class:`PostgresRequest`'s.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg2
 
@@ -24,9 +24,9 @@ from .base import (
     StoredResponse,
     StoreUnavailableError,
 )
-from .driver import sqlstate
+from .driver import Driver, sqlstate
 from .errors import is_unreachable
-from .pool import Connection
+from .pool import Connection, Pool
 from .sql import (
     BUMP_RECOVERY_TOTAL,
     CHECKPOINT,
@@ -43,8 +43,23 @@ from .sql import (
 )
 from .watchdog import WATCHDOG
 
-if TYPE_CHECKING:
-    from .postgres import PostgresStore
+
+class RequestStore(Protocol):
+    """What a request's handle uses of its store (``postgres.PostgresStore``)."""
+
+    pool: Pool
+    driver: Driver
+    #: ``SET LOCAL`` of the statement and lock timeouts, first in each round trip.
+    timeouts: str
+    #: Seconds before the watchdog gives up on one of our statements.
+    deadline: float
+    complete_alone: str
+    complete_in_transaction: str
+    insert_completed: str
+
+    def claim_sql(self, conn: Connection) -> str: ...
+
+    def forget_prepared(self, conn: Connection) -> None: ...
 
 log = logging.getLogger("flask_idempotency.store")
 
@@ -58,7 +73,7 @@ class PostgresRequest:
     autocommit mode.
     """
 
-    def __init__(self, store: PostgresStore) -> None:
+    def __init__(self, store: RequestStore) -> None:
         self._store = store
         self._conn: Connection | None = None
         self._in_transaction = False
