@@ -35,7 +35,7 @@ import psycopg2.extensions
 import redis
 from flask import Flask, Response, request
 
-from .app import (
+from .charge import (
     CHARGES_PATH,
     INSERT_CHARGE,
     REDIS_PREFIX,

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from flask import Flask, Response, jsonify, request
 
-from .app import (
+from .charge import (
     CHARGES_PATH,
     POOL_SIZE,
     REDIS_PREFIX,

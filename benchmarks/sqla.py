@@ -51,7 +51,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency, global_scope
 
-from .app import CHARGES_PATH, POOL_SIZE, application_name, created, read_charge
+from .charge import CHARGES_PATH, POOL_SIZE, application_name, created, read_charge
 
 BARE = "sqla-bare"
 EXTENSION = "sqla-pg"
