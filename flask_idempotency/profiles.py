@@ -11,7 +11,7 @@ Two profiles, chosen with ``IDEMPOTENCY_PROFILE``; statuses are the same in both
   with ``Idempotency-Replayed: true``.
 
 In both, a replay whose body was too large to store says so with
-``Idempotency-Replay: omitted``.
+``Idempotency-Body-Omitted: true`` (a name of its own: one header per meaning).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ IETF = Profile("ietf", "Idempotency-Replayed", mark_originals=False, problem_det
 PROFILES = {profile.name: profile for profile in (STRIPE, IETF)}
 
 #: On a replay whose stored body was omitted (over ``IDEMPOTENCY_MAX_STORED_BODY``).
-OMITTED_HEADER = "Idempotency-Replay"
-OMITTED_VALUE = "omitted"
+OMITTED_HEADER = "Idempotency-Body-Omitted"
+OMITTED_VALUE = "true"
 
 #: Prefix of a problem's ``type`` member; the error code completes it.
 DEFAULT_PROBLEM_TYPE_BASE = "urn:flask-idempotency:error:"

@@ -123,7 +123,7 @@ class Settings:
     problem_type_base: str = "urn:flask-idempotency:error:"
     #: ``IDEMPOTENCY_OVERSIZE``: an answer whose body is over ``MAX_STORED_BODY``.
     #: ``"omit_body"``: kept and stored without its body; the client gets it whole,
-    #: retries get its status and headers with ``Idempotency-Replay: omitted``. A
+    #: retries get its status and headers with ``Idempotency-Body-Omitted: true``. A
     #: charge the processor made is recorded, never rolled back. ``"reject"``: rolled
     #: back and answered ``500 response_too_large``; every retry runs the view again.
     oversize: str = "omit_body"

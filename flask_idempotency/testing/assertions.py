@@ -40,11 +40,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import DRILL_FAIL_AFTER_VIEW, DRILL_HEADER, DrillFailure
+from ..profiles import PROFILES
 
 __all__ = ["Answer", "IdempotencyReport", "assert_idempotent"]
 
 #: Replay markers of the two profiles: ``stripe`` (also ``false`` on the original) and ``ietf``.
-REPLAY_HEADERS = ("Idempotent-Replayed", "Idempotency-Replayed")
+REPLAY_HEADERS = tuple(profile.replayed_header for profile in PROFILES.values())
 
 #: How much of a body an assertion message may show.
 PREVIEW_BYTES = 40

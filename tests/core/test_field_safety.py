@@ -276,7 +276,7 @@ def test_an_oversized_stream_flows_whole_and_is_stored_without_its_body(
     assert pdf.data == b"f" * 50_000
     retry = post(app, "/stream/generator", {"size": 50_000})
     assert (retry.status_code, retry.data) == (201, b"")
-    assert retry.headers["Idempotency-Replay"] == "omitted"
+    assert retry.headers["Idempotency-Body-Omitted"] == "true"
     pdf_retry = post(app, "/stream/file", {"size": 50_000}, key="file")
     assert (pdf_retry.status_code, pdf_retry.data) == (200, b"")
     assert pdf_retry.headers["Content-Type"] == "application/pdf"
