@@ -18,7 +18,7 @@ that the only difference between two subjects is what idempotency adds:
     ``pg`` with ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT`` off: the claim commits durably
     on its own. It exists to put a number on that setting.
 ``pg+redis-fill-on-completion``
-    ``pg+redis`` with ``IDEMPOTENCY_REDIS_FILL = "completion"`` (the default
+    ``pg+redis`` with ``IDEMPOTENCY_REDIS_OPTIONS["fill"] = "completion"`` (the default
     before 0.3): a SET on every first request. Not in the default run; name it
     with ``--subjects``.
 ``pg-txclaim``, ``pg+redis-txclaim``
@@ -199,19 +199,22 @@ def subject_config(subject: str, dsn: str, redis: str) -> dict[str, Any]:
     """The ``IDEMPOTENCY_*`` configuration of an extension subject."""
     if subject not in EXTENSION_SUBJECTS:
         raise ValueError(f"not an extension subject: {subject!r}")
+    database: dict[str, Any] = {
+        "pool_size": POOL_SIZE,
+        "application_name": application_name(subject),  # a libpq parameter
+    }
+    if subject == "pg-synccommit":
+        database["async_claim_commit"] = False
     config: dict[str, Any] = {
         "IDEMPOTENCY_DATABASE_URL": dsn,
-        "IDEMPOTENCY_POOL_SIZE": POOL_SIZE,
-        "IDEMPOTENCY_CONNECT_KWARGS": {"application_name": application_name(subject)},
+        "IDEMPOTENCY_DATABASE_OPTIONS": database,
         "IDEMPOTENCY_SCOPE_FUNC": global_scope,
     }
     if subject in REDIS_SUBJECTS:
         config["IDEMPOTENCY_REDIS_URL"] = redis
-        config["IDEMPOTENCY_REDIS_PREFIX"] = REDIS_PREFIX
+        config["IDEMPOTENCY_REDIS_OPTIONS"] = {"prefix": REDIS_PREFIX}
     if subject == "pg+redis-fill-on-completion":
-        config["IDEMPOTENCY_REDIS_FILL"] = "completion"
-    if subject == "pg-synccommit":
-        config["IDEMPOTENCY_ASYNC_CLAIM_COMMIT"] = False
+        config["IDEMPOTENCY_REDIS_OPTIONS"]["fill"] = "completion"
     if subject in TXCLAIM_SUBJECTS:
         config["IDEMPOTENCY_CLAIM_MODE"] = "transaction"
     return config

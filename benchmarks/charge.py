@@ -30,7 +30,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/13"
 REDIS_PREFIX = "bench-idempotency"
 
 #: Connections per worker process, the same for the bare pool and the
-#: extension's (its default ``IDEMPOTENCY_POOL_SIZE``): each in-flight
+#: extension's (its default ``IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]``): each in-flight
 #: request holds one, so it only has to exceed the threads per worker.
 POOL_SIZE = 10
 

@@ -54,9 +54,9 @@ def config_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     # Connections per worker: at least gunicorn's --threads (gunicorn.conf.py warns
     # when fewer). Unset, the extension's own default applies.
     if environ.get("IDEMPOTENCY_POOL_SIZE", "").strip():
-        config["IDEMPOTENCY_POOL_SIZE"] = _positive_int(
-            environ, "IDEMPOTENCY_POOL_SIZE", default=0
-        )
+        config["IDEMPOTENCY_DATABASE_OPTIONS"] = {
+            "pool_size": _positive_int(environ, "IDEMPOTENCY_POOL_SIZE", default=0)
+        }
     return config
 
 

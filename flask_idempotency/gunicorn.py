@@ -1,9 +1,10 @@
 """gunicorn helpers: warn when a worker has more threads than database connections.
 
 Each in-flight idempotent request holds one connection of the extension's pool
-from its claim to its completion. A gthread worker with more threads than
-``IDEMPOTENCY_POOL_SIZE`` makes the extra requests queue for a connection (and
-answer ``503`` after ``IDEMPOTENCY_POOL_TIMEOUT``). In your gunicorn.conf.py::
+from its claim to its completion. A gthread worker with more threads than the
+pool's size (``IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]``, or db's engine's)
+makes the extra requests queue for a connection (and answer ``503`` after the
+pool's timeout). In your gunicorn.conf.py::
 
     from flask_idempotency.gunicorn import post_worker_init  # noqa: F401
 

@@ -7,6 +7,7 @@ Bad values fail at start-up with a clear ``ValueError``, not on the first reques
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -38,14 +39,19 @@ class Settings:
     database_url: str | None = None
     #: ``IDEMPOTENCY_POOL``: an existing ``psycopg2.pool.AbstractConnectionPool`` to borrow from.
     pool: Any = None
-    #: ``IDEMPOTENCY_POOL_SIZE``: connections per process; each in-flight request holds one.
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]``: connections per process; each in-flight
+    #: request holds one.
     pool_size: int = 10
-    #: ``IDEMPOTENCY_POOL_TIMEOUT``: seconds to wait for a free connection before a 503.
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["pool_timeout"]``: seconds to wait for a free connection
+    #: before a 503.
     pool_timeout: float = 5.0
-    #: ``IDEMPOTENCY_CONNECT_TIMEOUT``: libpq connect timeout, seconds. Short, so an
-    #: unreachable database turns into a prompt 503 rather than a hung worker.
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["connect_timeout"]``: libpq connect timeout, seconds. Short,
+    #: so an unreachable database turns into a prompt 503 rather than a hung worker.
     connect_timeout: int = 3
-    #: ``IDEMPOTENCY_CONNECT_KWARGS``: extra keyword arguments for ``psycopg2.connect``.
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS``: a mapping of the database options listed here
+    #: (``pool_size``, ``statement_timeout``...); any other key in it is a libpq
+    #: connection parameter (``sslmode``, ``application_name``...). Replaces the flat
+    #: keys (``IDEMPOTENCY_POOL_SIZE``...), which still work for a release, with a warning.
     connect_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: ``IDEMPOTENCY_KEY_HEADER``: the request header carrying the client's key.
     key_header: str = "Idempotency-Key"
@@ -76,14 +82,14 @@ class Settings:
     fingerprint_func: FingerprintFunc = request_fingerprint
     #: ``IDEMPOTENCY_MAX_STORED_BODY``: largest response body stored, bytes.
     max_stored_body: int = 1024 * 1024
-    #: ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT``: commit the claim with
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["async_claim_commit"]``: commit the claim with
     #: ``synchronous_commit = off``, saving one WAL flush per first request (the
     #: benchmarks measure it). Safe: the claim is visible to other
     #: sessions at once, and the business transaction's durable commit flushes it;
     #: a claim lost in a database crash only re-opens a key whose holder's
     #: connection died with the crash, and whose completion therefore fails.
     async_claim_commit: bool = True
-    #: ``IDEMPOTENCY_PREPARE_STATEMENTS``: prepare the claim once per connection
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]``: prepare the claim once per connection
     #: (halves its PostgreSQL CPU). Turn off behind PgBouncer in transaction mode,
     #: which does not keep a session's prepared statements.
     prepare_statements: bool = True
@@ -96,18 +102,20 @@ class Settings:
     redis_url: str | None = None
     #: ``IDEMPOTENCY_REDIS``: an existing ``redis.Redis`` client instead of a URL.
     redis: Any = None
-    #: ``IDEMPOTENCY_REDIS_PREFIX``: namespace of cache keys.
+    #: ``IDEMPOTENCY_REDIS_OPTIONS["prefix"]``: namespace of cache keys.
     redis_prefix: str = "idempotency"
-    #: ``IDEMPOTENCY_REDIS_TIMEOUT``: socket and connect timeout, seconds. Tens of
+    #: ``IDEMPOTENCY_REDIS_OPTIONS["timeout"]``: socket and connect timeout, seconds. Tens of
     #: milliseconds: a slow cache must cost less than going to PostgreSQL.
     redis_timeout: float = 0.05
-    #: ``IDEMPOTENCY_REDIS_BREAKER_THRESHOLD``: consecutive failures that open the breaker.
+    #: ``IDEMPOTENCY_REDIS_OPTIONS["breaker_threshold"]``: consecutive failures that open the
+    #: breaker.
     redis_breaker_threshold: int = 3
-    #: ``IDEMPOTENCY_REDIS_BREAKER_COOLDOWN``: seconds Redis is skipped once open.
+    #: ``IDEMPOTENCY_REDIS_OPTIONS["breaker_cooldown"]``: seconds Redis is skipped once open.
     redis_breaker_cooldown: float = 5.0
-    #: ``IDEMPOTENCY_REDIS_COMPRESS_OVER``: bodies above this many bytes are zlib-compressed.
+    #: ``IDEMPOTENCY_REDIS_OPTIONS["compress_over"]``: bodies above this many bytes are
+    #: zlib-compressed.
     redis_compress_over: int = 4096
-    #: ``IDEMPOTENCY_REDIS_FILL``: when a completed response is copied to Redis.
+    #: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]``: when a completed response is copied to Redis.
     #: ``"replay"`` (the default): the first time it is replayed from PostgreSQL;
     #: first requests skip the SET, and Redis holds only keys that were retried
     #: (most keys never are). ``"completion"``: every one, as it commits; a retry
@@ -142,22 +150,22 @@ class Settings:
     #: request, no lease, but the transaction stays open for the whole view.
     #: Every process of a deployment must use the same mode.
     claim_mode: str = "row"
-    #: ``IDEMPOTENCY_STATEMENT_TIMEOUT``: seconds each of the extension's own
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["statement_timeout"]``: seconds each of the extension's own
     #: statements (claim, completion, release, lease renewal) may take, set with
     #: ``SET LOCAL statement_timeout`` in the same round trip, so your view's own
     #: statements keep your session's setting. The extension also gives up on its
     #: statement 1 s after this if no answer came at all (a partition, a hung proxy:
     #: the socket is shut down). Either way the request answers 503.
     statement_timeout: float = 5.0
-    #: ``IDEMPOTENCY_LOCK_TIMEOUT``: seconds the extension's own statements wait for
-    #: a row lock (``SET LOCAL lock_timeout``) before a 503; ``0`` waits up to
-    #: the statement timeout.
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["lock_timeout"]``: seconds the extension's own statements wait
+    #: for a row lock (``SET LOCAL lock_timeout``) before a 503; ``0`` waits up to the statement
+    #: timeout.
     lock_timeout: float = 2.0
     #: ``IDEMPOTENCY_BROKER_URL``: where ``flask idempotency relay`` publishes the
     #: outbox's events (a kombu URL: ``amqp://user:pass@host:5672/vhost``); the
     #: relay's ``--broker-url`` overrides it. Unset: the relay refuses to start.
     broker_url: str | None = None
-    #: ``IDEMPOTENCY_EVENTS_EXCHANGE``: the durable topic exchange events are
+    #: ``IDEMPOTENCY_BROKER_OPTIONS["exchange"]``: the durable topic exchange events are
     #: published to, with the event type as routing key.
     events_exchange: str = "idempotency.events"
 
@@ -199,7 +207,7 @@ _CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
 #: ``IDEMPOTENCY_REDIS_FILL`` values (see :attr:`Settings.redis_fill`).
 REDIS_FILLS = ("completion", "replay")
 #: ``IDEMPOTENCY_PROFILE`` values (see :attr:`Settings.profile`).
-PROFILES = ("stripe", "ietf")
+PROFILE_NAMES = ("stripe", "ietf")
 #: ``IDEMPOTENCY_OVERSIZE`` values (see :attr:`Settings.oversize`).
 OVERSIZE_CHOICES = ("omit_body", "reject")
 #: Settings with a closed set of string values.
@@ -207,7 +215,7 @@ OVERSIZE_CHOICES = ("omit_body", "reject")
 CLAIM_MODES = ("row", "transaction")
 _CHOICE_FIELDS = {
     "redis_fill": REDIS_FILLS,
-    "profile": PROFILES,
+    "profile": PROFILE_NAMES,
     "oversize": OVERSIZE_CHOICES,
     "claim_mode": CLAIM_MODES,
 }
@@ -217,22 +225,22 @@ def _coerce_seconds(name: str, value: Any) -> float:
     if isinstance(value, timedelta):
         return value.total_seconds()
     if isinstance(value, bool):
-        raise ValueError(f"IDEMPOTENCY_{name.upper()} must be a number of seconds")
+        raise ValueError(f"{config_key(name)} must be a number of seconds")
     try:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(
-            f"IDEMPOTENCY_{name.upper()} must be a number of seconds, got {value!r}"
+            f"{config_key(name)} must be a number of seconds, got {value!r}"
         ) from None
 
 
 def _coerce_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"IDEMPOTENCY_{name.upper()} must be an integer")
+        raise ValueError(f"{config_key(name)} must be an integer")
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"IDEMPOTENCY_{name.upper()} must be an integer, got {value!r}") from None
+        raise ValueError(f"{config_key(name)} must be an integer, got {value!r}") from None
 
 
 def _coerce_bool(name: str, value: Any) -> bool:
@@ -249,7 +257,96 @@ def _coerce_bool(name: str, value: Any) -> bool:
         "off",
     }:
         return value.lower() in {"1", "true", "yes", "on"}
-    raise ValueError(f"IDEMPOTENCY_{name.upper()} must be a boolean, got {value!r}")
+    raise ValueError(f"{config_key(name)} must be a boolean, got {value!r}")
+
+
+#: Options that belong together are set as one mapping each, as Flask-Limiter's
+#: ``STORAGE_URI`` goes with ``STORAGE_OPTIONS``: the database's
+#: (``IDEMPOTENCY_DATABASE_OPTIONS``, beside ``IDEMPOTENCY_DATABASE_URL``), the Redis
+#: cache's (``IDEMPOTENCY_REDIS_OPTIONS``) and the broker's
+#: (``IDEMPOTENCY_BROKER_OPTIONS``). Group -> option -> the :class:`Settings` field.
+OPTION_GROUPS: dict[str, dict[str, str]] = {
+    "database_options": {
+        "pool_size": "pool_size",
+        "pool_timeout": "pool_timeout",
+        "connect_timeout": "connect_timeout",
+        "statement_timeout": "statement_timeout",
+        "lock_timeout": "lock_timeout",
+        "prepare_statements": "prepare_statements",
+        "async_claim_commit": "async_claim_commit",
+    },
+    "redis_options": {
+        "prefix": "redis_prefix",
+        "timeout": "redis_timeout",
+        "breaker_threshold": "redis_breaker_threshold",
+        "breaker_cooldown": "redis_breaker_cooldown",
+        "compress_over": "redis_compress_over",
+        "fill": "redis_fill",
+    },
+    "broker_options": {"exchange": "events_exchange"},
+}
+#: Field -> (group, option) of every grouped field. ``connect_kwargs`` is the
+#: database group's other options (libpq parameters).
+GROUPED: dict[str, tuple[str, str | None]] = {
+    field: (group, option)
+    for group, options in OPTION_GROUPS.items()
+    for option, field in options.items()
+}
+GROUPED["connect_kwargs"] = ("database_options", None)
+
+
+def config_key(name: str) -> str:
+    """How a field is spelled in the app's config (for messages and the docs)."""
+    group, option = GROUPED.get(name, (None, None))
+    if group is None:
+        return f"IDEMPOTENCY_{name.upper()}"
+    if option is None:
+        return f"IDEMPOTENCY_{group.upper()}"
+    return f'IDEMPOTENCY_{group.upper()}["{option}"]'
+
+
+def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config namespace with each option group spread into its fields, and the
+    old flat keys of grouped fields accepted with a ``DeprecationWarning``."""
+    flat: dict[str, Any] = {}
+    given_flat: set[str] = set()
+    for raw_name, value in config.items():
+        name = raw_name.lower()
+        if name in OPTION_GROUPS:
+            continue
+        if name in GROUPED:
+            warnings.warn(
+                f"IDEMPOTENCY_{raw_name.upper()} is deprecated: use {config_key(name)}",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            given_flat.add(name)
+        flat[name] = value
+    for group, options in OPTION_GROUPS.items():
+        raw = config.get(group.upper(), config.get(group))
+        if raw is None:
+            continue
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"IDEMPOTENCY_{group.upper()} must be a mapping, got {raw!r}")
+        extra: dict[str, Any] = {}
+        for option, value in raw.items():
+            field = options.get(str(option))
+            if field is None:
+                if group != "database_options":
+                    raise ValueError(
+                        f"Unknown option {option!r} in IDEMPOTENCY_{group.upper()} "
+                        f"(known: {', '.join(sorted(options))})"
+                    )
+                extra[str(option)] = value  # a libpq connection parameter
+                continue
+            if field in given_flat:
+                raise ValueError(f"{config_key(field)} is also set by its deprecated flat key")
+            flat[field] = value
+        if extra:
+            # With the deprecated IDEMPOTENCY_CONNECT_KWARGS too: one set of libpq
+            # parameters, the group's winning where both name one.
+            flat["connect_kwargs"] = {**dict(flat.get("connect_kwargs") or {}), **extra}
+    return flat
 
 
 def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = False) -> Settings:
@@ -257,8 +354,8 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
     ``engine_given``: the app gave its SQLAlchemy database (``db=``), so no DSN."""
     fields = {f.name for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
-    for raw_name, value in config.items():
-        name = raw_name.lower()
+    for name, value in _ungroup(config).items():
+        raw_name = name
         if name not in fields:
             raise ValueError(f"Unknown configuration key IDEMPOTENCY_{raw_name.upper()}")
         if value is None and name not in _CALLABLE_FIELDS:
@@ -320,10 +417,10 @@ def validate(settings: Settings) -> None:
             "IDEMPOTENCY_LEASE_RENEW_INTERVAL must be 0 (off) or shorter than IDEMPOTENCY_LEASE"
         )
     if settings.pool_size < 1:
-        raise ValueError("IDEMPOTENCY_POOL_SIZE must be at least 1")
+        raise ValueError(f"{config_key('pool_size')} must be at least 1")
     if settings.pool_timeout <= 0 or settings.connect_timeout <= 0:
         raise ValueError(
-            "IDEMPOTENCY_POOL_TIMEOUT and IDEMPOTENCY_CONNECT_TIMEOUT must be positive"
+            f"{config_key('pool_timeout')} and {config_key('connect_timeout')} must be positive"
         )
     if settings.retry_after < 0:
         raise ValueError("IDEMPOTENCY_RETRY_AFTER must not be negative")
@@ -335,13 +432,16 @@ def validate(settings: Settings) -> None:
         value = getattr(settings, name)
         if value not in choices:
             raise ValueError(
-                f"IDEMPOTENCY_{name.upper()} must be one of {', '.join(choices)}, got {value!r}"
+                f"{config_key(name)} must be one of {', '.join(choices)}, got {value!r}"
             )
     if settings.redis_timeout <= 0 or settings.redis_breaker_threshold < 1:
         raise ValueError(
-            "IDEMPOTENCY_REDIS_TIMEOUT must be positive and the breaker threshold >= 1"
+            f"{config_key('redis_timeout')} must be positive and "
+            f"{config_key('redis_breaker_threshold')} at least 1"
         )
     if not settings.statement_timeout > 0:
-        raise ValueError("IDEMPOTENCY_STATEMENT_TIMEOUT must be positive")
+        raise ValueError(f"{config_key('statement_timeout')} must be positive")
     if not settings.lock_timeout >= 0:
-        raise ValueError("IDEMPOTENCY_LOCK_TIMEOUT must not be negative (0 = no lock timeout)")
+        raise ValueError(
+            f"{config_key('lock_timeout')} must not be negative (0 = no lock timeout)"
+        )

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 #: Where ``{repo}`` links point; the files are checked in this checkout.
 REPO_URL = "https://github.com/flask-idempotency/flask-idempotency/blob/main/"
-_KEY_PREFIX = re.compile(r"^``(IDEMPOTENCY_[A-Z0-9_]+)``:\s*")
+_KEY_PREFIX = re.compile(r'^``(IDEMPOTENCY_[A-Z0-9_]+(?:\["[a-z_]+"\])?)``:\s*')
 
 
 def _default(field: dataclasses.Field[Any]) -> str:
@@ -55,14 +55,14 @@ class SettingsDirective(Directive):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        from flask_idempotency.settings import Settings
+        from flask_idempotency.settings import Settings, config_key
 
         analyzer = ModuleAnalyzer.for_module("flask_idempotency.settings")
         docs = analyzer.find_attr_docs()
         lines: list[str] = []
         for field in dataclasses.fields(Settings):
             comment = list(docs.get(("Settings", field.name), []))
-            key = f"IDEMPOTENCY_{field.name.upper()}"
+            key = config_key(field.name)
             if not comment:
                 log.warning("flask_idempotency/settings.py: %s has no #: comment", field.name)
                 comment = [""]

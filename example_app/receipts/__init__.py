@@ -71,7 +71,8 @@ def apply_defaults(config: MutableMapping[str, Any]) -> None:
     """Point the extension's relay at ``AMQP_URL`` and the exchange, unless set."""
     config.setdefault("IDEMPOTENCY_BROKER_URL", config.get("AMQP_URL") or None)
     config.setdefault(
-        "IDEMPOTENCY_EVENTS_EXCHANGE", config.get("EVENTS_EXCHANGE") or DEFAULT_EVENTS_EXCHANGE
+        "IDEMPOTENCY_BROKER_OPTIONS",
+        {"exchange": config.get("EVENTS_EXCHANGE") or DEFAULT_EVENTS_EXCHANGE},
     )
 
 

@@ -28,7 +28,9 @@ Examples:
     "--broker-url", default=None, help="Broker URL; default: the app's IDEMPOTENCY_BROKER_URL."
 )
 @click.option(
-    "--exchange", default=None, help="Exchange; default: the app's IDEMPOTENCY_EVENTS_EXCHANGE."
+    "--exchange",
+    default=None,
+    help='Exchange; default: the app\'s IDEMPOTENCY_BROKER_OPTIONS["exchange"].',
 )
 @click.option(
     "--batch-size",

@@ -5,7 +5,7 @@ the library imports without it. RabbitMQ (``amqp://``) is the broker this is
 written and tested for. (Without a broker, ``embedded.py`` runs the same relay
 and guards in one process.)
 
-Topology: events go to one durable topic exchange (``IDEMPOTENCY_EVENTS_EXCHANGE``)
+Topology: events go to one durable topic exchange (``IDEMPOTENCY_BROKER_OPTIONS["exchange"]``)
 with the event type as routing key, persistent, the event id as message id. A
 consumer's queue is durable and bound to the types it handles; beside it
 ``<queue>.dlq`` receives the messages its guard gave up on.

@@ -36,11 +36,12 @@ Connection = psycopg2.extensions.connection
 
 log = logging.getLogger("flask_idempotency.store")
 
-#: Connection parameters added by default (``IDEMPOTENCY_CONNECT_KWARGS`` overrides
-#: each): a peer that vanished is noticed by TCP within seconds, even while a
-#: view's own long statement waits for its answer. Keepalive probes start after
-#: 5 s of silence, every 5 s, 3 unanswered probes close the connection; data left
-#: unacknowledged for 10 s closes it too (``tcp_user_timeout``, libpq 12+).
+#: Connection parameters added by default (those given in
+#: ``IDEMPOTENCY_DATABASE_OPTIONS`` override each): a peer that vanished is
+#: noticed by TCP within seconds, even while a view's own long statement waits
+#: for its answer. Keepalive probes start after 5 s of silence, every 5 s, 3
+#: unanswered probes close the connection; data left unacknowledged for 10 s
+#: closes it too (``tcp_user_timeout``, libpq 12+).
 TCP_DEFAULTS: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 5,
@@ -127,7 +128,7 @@ class ConnectionPool(Pool):
         return self._max_size
 
     def capacity(self) -> tuple[int, str] | None:
-        return self._max_size, "IDEMPOTENCY_POOL_SIZE"
+        return self._max_size, 'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]'
 
     def _reset(self) -> None:
         # After a fork the inherited idle connections are forgotten, not closed:
@@ -186,9 +187,9 @@ class ConnectionPool(Pool):
         self._warned_wait = True
         log.warning(
             "idempotency: a request waited for a database connection: all %d of "
-            "IDEMPOTENCY_POOL_SIZE are in use. Each in-flight idempotent request holds "
-            "one until it completes; size the pool to at least the worker's threads "
-            "(requests answer 503 after IDEMPOTENCY_POOL_TIMEOUT). Logged once per process.",
+            'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"] are in use. Each in-flight idempotent '
+            "request holds one until it completes; size the pool to at least the worker's "
+            "threads (requests answer 503 after its pool_timeout). Logged once per process.",
             self._max_size,
         )
 
@@ -254,7 +255,7 @@ class BorrowedPool(Pool):
     autocommit mode and restores the connection's own ``autocommit`` flag (its
     ``SET LOCAL`` settings end with their transactions). The one trace it leaves
     is the prepared claim, ``idempotency_claim``, when
-    ``IDEMPOTENCY_PREPARE_STATEMENTS`` is on; an application that runs
+    ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]`` is on; an application that runs
     ``DEALLOCATE ALL`` or ``DISCARD ALL`` is fine, the claim is prepared again.
 
     The lease keeper keeps one connection of the application's pool for itself

@@ -168,7 +168,7 @@ def test_waiting_for_a_pool_slot_is_warned_about_once(
             waiter.join(5)
             pool.putconn(taken[-1])
     pool.close()
-    warnings = [r for r in caplog.records if "IDEMPOTENCY_POOL_SIZE" in r.getMessage()]
+    warnings = [r for r in caplog.records if "pool_size" in r.getMessage()]
     assert len(warnings) == 1
     assert warnings[0].levelno == logging.WARNING
 
@@ -191,7 +191,7 @@ def test_pool_smaller_than_the_worker_threads_is_warned_about(
     log = _Log()
     assert not check_pool_size(app, threads=12, log=log)
     assert len(log.warnings) == 1
-    assert "IDEMPOTENCY_POOL_SIZE" in log.warnings[0] and "12" in log.warnings[0]
+    assert "pool_size" in log.warnings[0] and "12" in log.warnings[0]
     assert check_pool_size(app, threads=2, log=log)
     assert len(log.warnings) == 1
 

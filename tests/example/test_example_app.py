@@ -497,7 +497,7 @@ def test_config_from_env_defaults_and_values() -> None:
     assert config["IDEMPOTENCY_PROFILE"] == "ietf"
     assert config["FULFILMENT_URL"] == "http://f:8002"
     assert config["CRASH_DRILL_DELAY_SECONDS"] == 1.5
-    assert config["IDEMPOTENCY_POOL_SIZE"] == 32  # gunicorn --threads 32 needs as many
+    assert config["IDEMPOTENCY_DATABASE_OPTIONS"] == {"pool_size": 32}  # --threads 32 needs as many
 
 
 def test_the_example_app_speaks_the_ietf_profile_when_asked(
