@@ -118,6 +118,26 @@ def redis_url() -> Iterator[str]:
         yield server.url
 
 
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """The run's RabbitMQ (``AMQP_URL``), for the events, Celery and docs tests. Nothing
+    starts one: unset, those tests skip and say why, except under CI (``CI`` set),
+    where a missing broker fails them; set but unusable, they fail."""
+    url = os.environ.get("AMQP_URL")
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail("AMQP_URL is unset under CI: the broker tests need RabbitMQ")
+        pytest.skip("AMQP_URL is unset: no RabbitMQ for the broker tests")
+    import kombu
+
+    try:
+        with kombu.Connection(url, connect_timeout=5) as conn:
+            conn.connect()
+    except Exception as exc:
+        pytest.fail(f"AMQP_URL is set but unusable: {type(exc).__name__}: {exc}", pytrace=False)
+    return url
+
+
 @pytest.fixture
 def clean_db(database_url: str) -> str:
     """``database_url``, with every public table emptied before the test.

@@ -9,7 +9,6 @@ restarted (outages are staged with a proxy of the test's own).
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Iterator
 from typing import Any
@@ -19,23 +18,6 @@ import pytest
 from flask import Flask
 
 from . import app as events_app
-
-
-@pytest.fixture(scope="session")
-def amqp_url() -> str:
-    url = os.environ.get("AMQP_URL")
-    if not url:
-        if os.environ.get("CI"):
-            pytest.fail("AMQP_URL is unset under CI: the events tests need RabbitMQ")
-        pytest.skip("AMQP_URL is unset: no RabbitMQ for the events tests")
-    import kombu
-
-    try:
-        with kombu.Connection(url, connect_timeout=5) as conn:
-            conn.connect()
-    except Exception as exc:
-        pytest.fail(f"AMQP_URL is set but unusable: {type(exc).__name__}: {exc}", pytrace=False)
-    return url
 
 
 class BrokerNames:
