@@ -21,6 +21,7 @@ from benchmarks import __main__ as runner  # noqa: E402
 from benchmarks import app as bench_app  # noqa: E402
 from benchmarks import inprocess, report  # noqa: E402
 from benchmarks.app import REQUEST_BODY  # noqa: E402
+from support.databases import count_rows
 
 pytestmark = pytest.mark.skipif(
     find_spec("flask_sqlalchemy") is None,
@@ -84,7 +85,7 @@ def test_a_subject_executes_once_and_replays(
     # The replay key's first request, the warm-up and five first requests; then,
     # without idempotency, the replay path's six requests run too.
     expected = 1 + 1 + 5 + (6 if replayed is None else 0)
-    assert _count(bench_servers, "bench_charges") == expected
+    assert count_rows(bench_servers, "bench_charges") == expected
 
 
 def test_the_extension_joins_db_session_to_the_claimed_request(bench_servers: str) -> None:
@@ -106,9 +107,9 @@ def test_the_extension_joins_db_session_to_the_claimed_request(bench_servers: st
 
         client = app.test_client()
         assert _post(client, "k").status_code == 503
-        assert _count(bench_servers, "bench_charges") == 0
+        assert count_rows(bench_servers, "bench_charges") == 0
         assert _post(client, "k").status_code == 201
-        assert _count(bench_servers, "bench_charges") == 1
+        assert count_rows(bench_servers, "bench_charges") == 1
     finally:
         app.extensions["idempotency"].close()
         with app.app_context():
@@ -127,7 +128,7 @@ def test_the_handwritten_layer_refuses_another_body_and_a_missing_key(bench_serv
         assert again.get_data() == first.get_data()
         assert _post(client, "k", b'{"amount": 1, "currency": "usd"}').status_code == 422
         assert _post(client, None).status_code == 400
-        assert _count(bench_servers, "bench_charges") == 1
+        assert count_rows(bench_servers, "bench_charges") == 1
     finally:
         with app.app_context():
             app.extensions["sqlalchemy"].engine.dispose()
@@ -171,15 +172,3 @@ def _post(client: Any, key: str | None, body: bytes = REQUEST_BODY) -> TestRespo
     return response
 
 
-def _count(dsn: str, table: str) -> int:
-    import psycopg2
-
-    conn = psycopg2.connect(dsn)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f"SELECT count(*) FROM {table}")
-            found = cur.fetchone()
-            assert found is not None
-            return int(found[0])
-    finally:
-        conn.close()

@@ -22,6 +22,7 @@ from benchmarks import __main__ as runner  # noqa: E402
 from benchmarks import app as bench_app  # noqa: E402
 from benchmarks import cpu, inprocess  # noqa: E402
 from benchmarks.app import REQUEST_BODY  # noqa: E402
+from support.databases import count_rows
 
 JSON = "application/json"
 
@@ -106,7 +107,7 @@ def test_a_subject_executes_once_and_replays(
         probe = inprocess.measure(subject, path, n=5, warmup=1)
         assert sum(probe.answers.values()) == 5
         assert all(status.startswith("201") for status, _ in probe.answers), probe.answers
-    rows = _count(clean_db, "bench_charges")
+    rows = count_rows(clean_db, "bench_charges")
     # measure(): one request to complete the replay key, a warm-up and five
     # first requests, then one more key completed for the replay run.
     assert rows == 1 + 1 + 5 + 1
@@ -143,7 +144,7 @@ def test_the_minimum_refuses_a_duplicate_in_flight_and_another_body(
     assert again.get_data() == first.get_data()
     assert post("k", b'{"amount": 1, "currency": "usd"}').status_code == 422
     assert post(None).status_code == 400
-    assert _count(clean_db, "bench_charges") == 1
+    assert count_rows(clean_db, "bench_charges") == 1
 
 
 FIRST_INSTALLED_PEER = next((s for s in bench_app.PEERS if _installed(s)), None)
@@ -179,15 +180,3 @@ def test_a_short_run_measures_a_peer_through_gunicorn(
     assert f"Peers from the package index: {distribution} " in report
 
 
-def _count(dsn: str, table: str) -> int:
-    import psycopg2
-
-    conn = psycopg2.connect(dsn)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f"SELECT count(*) FROM {table}")
-            row = cur.fetchone()
-            assert row is not None
-            return int(row[0])
-    finally:
-        conn.close()

@@ -105,28 +105,20 @@ def check_try_it(page: Page) -> None:
     assert reused.startswith("HTTP/1.1 422") and '"key_reused"' in reused
 
 
-def test_quickstart_with_flask_sqlalchemy(
-    tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
+@pytest.mark.parametrize(
+    ("section", "table"),
+    [("With Flask-SQLAlchemy", "charge"), ("With a psycopg2 connection", "charges")],
+)
+def test_quickstart(
+    tmp_path: Path, page_env: dict[str, str], fresh_database_url: str, section: str, table: str
 ) -> None:
     page = make_page(DOCS / "quickstart.md", tmp_path, page_env)
     try:
-        page.run("With Flask-SQLAlchemy", "Try it")
+        page.run(section, "Try it")
         check_try_it(page)
     finally:
         page.stop()
-    assert count(fresh_database_url, "charge") == 1
-
-
-def test_quickstart_with_a_connection(
-    tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
-) -> None:
-    page = make_page(DOCS / "quickstart.md", tmp_path, page_env)
-    try:
-        page.run("With a psycopg2 connection", "Try it")
-        check_try_it(page)
-    finally:
-        page.stop()
-    assert count(fresh_database_url, "charges") == 1
+    assert count(fresh_database_url, table) == 1
 
 
 def test_readme_quickstart(

@@ -89,3 +89,18 @@ def flush_redis(url: str) -> None:
         client.flushdb()
     finally:
         client.close()
+
+
+def count_rows(url: str, table: str) -> int:
+    """``SELECT count(*)`` of ``table``, on a connection of its own."""
+    import psycopg2
+
+    conn = psycopg2.connect(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT count(*) FROM {table}")
+            row = cur.fetchone()
+            assert row is not None
+            return int(row[0])
+    finally:
+        conn.close()
