@@ -37,7 +37,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, has_app_context
-from sqlalchemy import event
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
@@ -119,6 +118,9 @@ class Joined:
         try:
             self.tx.execute_in_transaction(sql, begin=begin)
         except StoreUnavailableError as exc:
+            # The attempt is over: the session's own rollback, which SQLAlchemy
+            # attempts while it handles this error, must not try the connection again.
+            self.settling = True
             raise StoreUnavailable() from exc
 
 
@@ -177,7 +179,6 @@ class SessionJoin:
             session.rollback()  # (detach() ended it before the claim; a safety net)
         joined = Joined(session, connection, ctx.tx)
         session.info[JOINED] = connection
-        connection.info[JOINED] = joined
         _JOINED_BY_DBAPI[raw] = joined
         ctx.session = joined
 
@@ -218,14 +219,13 @@ class SessionJoin:
             return
         ctx.session = None
         joined.settling = True
-        session, connection = joined.session, joined.connection
+        session = joined.session
         if session.in_transaction():
             try:
                 session.rollback()
             except Exception as exc:
                 log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
         session.info.pop(JOINED, None)
-        connection.info.pop(JOINED, None)
         _JOINED_BY_DBAPI.pop(joined.tx.held_connection_or_none(), None)
 
 
@@ -233,11 +233,21 @@ def _divert_transactions(engine: Engine) -> None:
     """On a joined connection, the dialect's commit and rollback move the view's
     savepoint instead of ending the attempt's transaction; on every other
     connection they are the dialect's own. The attempt's transaction itself opens
-    with the session's first ``BEGIN`` (SQLAlchemy's ``begin`` event)."""
+    with the session's first ``BEGIN`` (the dialect's ``do_begin``, which sends
+    nothing of its own: the driver begins implicitly). Diverting the dialect rather
+    than listening to the engine's events keeps SQLAlchemy's per-connection event
+    dispatch off every connection of the engine."""
     dialect = engine.dialect
     if getattr(dialect, "_idempotency_diverted", False):
         return
-    commit, rollback = dialect.do_commit, dialect.do_rollback
+    begin, commit, rollback = dialect.do_begin, dialect.do_commit, dialect.do_rollback
+
+    def do_begin(dbapi_connection: Any) -> None:
+        joined = _joined_to(dbapi_connection)
+        if joined is None:
+            begin(dbapi_connection)
+        else:
+            joined.open()
 
     def do_commit(dbapi_connection: Any) -> None:
         joined = _joined_to(dbapi_connection)
@@ -253,10 +263,10 @@ def _divert_transactions(engine: Engine) -> None:
         else:
             joined.rollback_point()
 
+    dialect.do_begin = do_begin  # type: ignore[method-assign]
     dialect.do_commit = do_commit  # type: ignore[method-assign]
     dialect.do_rollback = do_rollback  # type: ignore[method-assign]
     dialect._idempotency_diverted = True  # type: ignore[attr-defined]
-    event.listen(engine, "begin", _open_on_begin)
 
 
 def _joined_to(dbapi_connection: Any) -> Joined | None:
@@ -266,12 +276,6 @@ def _joined_to(dbapi_connection: Any) -> Joined | None:
         return None
     raw = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     return _JOINED_BY_DBAPI.get(raw)
-
-
-def _open_on_begin(connection: SAConnection) -> None:
-    joined = connection.info.get(JOINED)
-    if joined is not None:
-        joined.open()
 
 
 def from_app(
