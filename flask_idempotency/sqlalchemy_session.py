@@ -76,11 +76,19 @@ class Joined:
     yet in a row-mode attempt, restarts the attempt's transaction (the claim is
     committed on its own there). A transaction-mode attempt's transaction holds
     the claim itself, so its first stretch always starts with a savepoint.
+
+    What opens a stretch (the ``BEGIN``, the savepoint) is deferred to the
+    stretch's first statement: with psycopg2, whose statements go to the server
+    as text, it is sent in that statement's round trip; psycopg 3 binds
+    parameters on the server, one statement per message, so there it goes just
+    before, on its own.
     """
 
     session: Session
     connection: SAConnection
     tx: PostgresRequest
+    #: The session's statements can carry the deferred ones in their round trip.
+    inline: bool = False
     #: A savepoint marks where the current stretch of work began.
     savepoint: bool = False
     #: The view committed: the next stretch needs a savepoint of its own.
@@ -96,19 +104,30 @@ class Joined:
         if not tx.in_transaction:
             # The attempt's transaction opens with the session's first statement, as
             # the raw path's opens with the view's first connection() call.
-            self._send("BEGIN", begin=True)
+            tx.defer("BEGIN")
             self.savepoint = self.committed = False
         elif self.committed or (not self.savepoint and not tx.holds_lease):
-            self._send(f"SAVEPOINT {SAVEPOINT}")
+            tx.defer(f"SAVEPOINT {SAVEPOINT}")
             self.savepoint, self.committed = True, False
+
+    def before_statement(self, statement: str | None) -> str | None:
+        """The session sends ``statement`` (``None``: a batch, which cannot carry
+        more): what was deferred goes with it, or just before it."""
+        deferred = self.tx.take_deferred()
+        if deferred is None:
+            return statement
+        if self.inline and statement is not None:
+            return f"{deferred};\n{statement}"
+        self._send(deferred)
+        return statement
 
     def commit_point(self) -> None:
         if not self.settling:
             self.committed = True
 
     def rollback_point(self) -> None:
-        if self.settling:
-            return
+        if self.settling or self.tx.has_deferred:
+            return  # (nothing was sent since this stretch began: nothing to discard)
         if self.savepoint:
             self._send(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
         else:  # row mode, nothing committed yet: all of it goes
@@ -140,6 +159,9 @@ class SessionJoin:
         self.engine = engine
         self.sessions = sessions
         self.pool = pool
+        #: psycopg2 sends a statement as text (parameters bound on the client), so
+        #: the deferred ``BEGIN`` or savepoint can go in the same message.
+        self.inline = engine.dialect.driver == "psycopg2"
         factory = sessions.session_factory
         if not getattr(factory.class_, "_idempotency_joins", False):
             factory.class_ = _joining(factory.class_)
@@ -177,7 +199,7 @@ class SessionJoin:
         session = self.sessions()
         if session.in_transaction():
             session.rollback()  # (detach() ended it before the claim; a safety net)
-        joined = Joined(session, connection, ctx.tx)
+        joined = Joined(session, connection, ctx.tx, inline=self.inline)
         session.info[JOINED] = connection
         _JOINED_BY_DBAPI[raw] = joined
         ctx.session = joined
@@ -236,11 +258,32 @@ def _divert_transactions(engine: Engine) -> None:
     with the session's first ``BEGIN`` (the dialect's ``do_begin``, which sends
     nothing of its own: the driver begins implicitly). Diverting the dialect rather
     than listening to the engine's events keeps SQLAlchemy's per-connection event
-    dispatch off every connection of the engine."""
+    dispatch off every connection of the engine. Its ``do_execute`` and kin send
+    what the attempt deferred (``Joined.before_statement``) with the statement."""
     dialect = engine.dialect
     if getattr(dialect, "_idempotency_diverted", False):
         return
     begin, commit, rollback = dialect.do_begin, dialect.do_commit, dialect.do_rollback
+    execute, execute_no_params = dialect.do_execute, dialect.do_execute_no_params
+    executemany = dialect.do_executemany
+
+    def do_execute(cursor: Any, statement: str, parameters: Any, context: Any = None) -> None:
+        joined = _joined_to_cursor(cursor)
+        if joined is not None:
+            statement = joined.before_statement(statement) or statement
+        execute(cursor, statement, parameters, context)
+
+    def do_execute_no_params(cursor: Any, statement: str, context: Any = None) -> None:
+        joined = _joined_to_cursor(cursor)
+        if joined is not None:
+            statement = joined.before_statement(statement) or statement
+        execute_no_params(cursor, statement, context)
+
+    def do_executemany(cursor: Any, statement: str, parameters: Any, context: Any = None) -> None:
+        joined = _joined_to_cursor(cursor)
+        if joined is not None:
+            joined.before_statement(None)
+        executemany(cursor, statement, parameters, context)
 
     def do_begin(dbapi_connection: Any) -> None:
         joined = _joined_to(dbapi_connection)
@@ -263,10 +306,20 @@ def _divert_transactions(engine: Engine) -> None:
         else:
             joined.rollback_point()
 
+    dialect.do_execute = do_execute  # type: ignore[method-assign]
+    dialect.do_execute_no_params = do_execute_no_params  # type: ignore[method-assign]
+    dialect.do_executemany = do_executemany  # type: ignore[method-assign]
     dialect.do_begin = do_begin  # type: ignore[method-assign]
     dialect.do_commit = do_commit  # type: ignore[method-assign]
     dialect.do_rollback = do_rollback  # type: ignore[method-assign]
     dialect._idempotency_diverted = True  # type: ignore[attr-defined]
+
+
+def _joined_to_cursor(cursor: Any) -> Joined | None:
+    """The attempt joined to the connection of a cursor SQLAlchemy executes on."""
+    if not _JOINED_BY_DBAPI:
+        return None
+    return _JOINED_BY_DBAPI.get(cursor.connection)
 
 
 def _joined_to(dbapi_connection: Any) -> Joined | None:

@@ -85,6 +85,10 @@ class PostgresRequest:
         #: The record holds committed recovery points (claimed with them, or one
         #: committed since): a release keeps it for the next attempt to resume.
         self.has_progress = False
+        #: Statements that open the next stretch of the transaction (its ``BEGIN``,
+        #: a joined session's savepoint), sent ahead of whatever goes next, in its
+        #: round trip (``defer``).
+        self._deferred: str | None = None
 
     #: Whether the claim is a processing row whose lease the keeper must renew
     #: (row mode); a transaction-mode claim lives and dies with its session.
@@ -136,6 +140,28 @@ class PostgresRequest:
         if opening:
             self._in_transaction = True
 
+    def defer(self, sql: str) -> None:
+        """Send ``sql`` ahead of this request's next statement, in the same round
+        trip: a joined session's ``BEGIN`` or savepoint costs no round trip of its
+        own. ``BEGIN`` opens the transaction from now on, as far as this request's
+        bookkeeping goes (what is sent next runs in it)."""
+        if sql == "BEGIN":
+            if self._in_transaction:
+                return
+            self._in_transaction = True
+        self._deferred = sql if self._deferred is None else f"{self._deferred};\n{sql}"
+
+    @property
+    def has_deferred(self) -> bool:
+        """Whether a deferred statement waits: nothing was sent since it was deferred."""
+        return self._deferred is not None
+
+    def take_deferred(self) -> str | None:
+        """The deferred statements, for a caller that sends them (prefixed to its own
+        statement on the same connection); they are no longer this request's to send."""
+        deferred, self._deferred = self._deferred, None
+        return deferred
+
     def held_connection(self) -> Connection:
         """The connection this request works on (taken from the pool if it has none
         yet), whatever its transaction state: for joining a session to it."""
@@ -146,6 +172,7 @@ class PostgresRequest:
         database looks unreachable) are its idle peers."""
         conn, self._conn = self._conn, None
         self._in_transaction = False
+        self._deferred = None
         if conn is not None:
             self._store.pool.putconn(conn, discard=True)
         if peers:
@@ -158,6 +185,9 @@ class PostgresRequest:
         the first row if ``fetch``. Raises the driver's errors; a statement the
         watchdog had to cut off raises ``OperationalError`` and marks the request
         unresponsive."""
+        if self._deferred is not None:
+            sql = f"{self._deferred};\n{sql}"
+            self._deferred = None
         ticket = WATCHDOG.watch(conn, self._store.deadline)
         try:
             driver = self._store.driver
@@ -173,10 +203,13 @@ class PostgresRequest:
         return row
 
     def connection(self) -> Connection:
+        """The connection, in this request's transaction (opened now if it is not,
+        and anything deferred sent first: the caller's own cursor comes next)."""
         conn = self._acquire()
-        if not self._in_transaction:
+        opening = self.take_deferred() if self._in_transaction else "BEGIN"
+        if opening is not None:
             try:
-                self._execute(conn, "BEGIN")
+                self._execute(conn, opening)
             except driver.ERRORS as exc:
                 self._drop(peers=self._unresponsive or is_unreachable(exc, conn))
                 raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
@@ -244,6 +277,11 @@ class PostgresRequest:
     def _rollback(self) -> None:
         if self._conn is None:
             return
+        if self._deferred is not None and self._deferred.startswith("BEGIN"):
+            # The transaction never reached the server: nothing to roll back.
+            self._deferred = None
+            self._in_transaction = False
+            return
         try:
             self._execute(self._conn, "ROLLBACK")
             self._in_transaction = False
@@ -292,9 +330,10 @@ class PostgresRequest:
         deferred constraint is the application's error, not an outage)."""
         if not self._in_transaction or self._conn is None:
             return
+        deferred = self.take_deferred()
         try:
             with self._conn.cursor() as cur:
-                cur.execute("COMMIT")
+                cur.execute("COMMIT" if deferred is None else f"{deferred};\nCOMMIT")
         except driver.ERRORS as exc:
             if is_unreachable(exc, self._conn):
                 self._drop()

@@ -218,6 +218,24 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
                 db.session.rollback()
             db.session.add(Transfer(label=label, amount=amount, step="after_rollback"))
             db.session.commit()
+        elif then == "empty_rollback":
+            # The session begins and rolls back with nothing sent in between (the
+            # stretch's savepoint was never needed), then writes and commits.
+            db.session.connection()
+            db.session.rollback()
+            db.session.add(Transfer(label=label, amount=amount, step="after_rollback"))
+            db.session.commit()
+        elif then == "raw":
+            # The session begins a new stretch, then the view writes through the
+            # extension's own connection: one transaction, kept with the answer.
+            db.session.connection()
+            with idempotency.connection().cursor() as cur:
+                cur.execute(
+                    "INSERT INTO sa_transfers (label, amount, step) VALUES (%s, %s, 'raw')",
+                    (label, amount),
+                )
+            db.session.add(Transfer(label=label, amount=amount, step="second"))
+            db.session.commit()
         elif then == "unflushed":
             # Added, never committed nor flushed by the view: kept with the answer.
             db.session.add(Transfer(label=label, amount=amount, step="unflushed"))

@@ -69,6 +69,25 @@ def test_rollback_discards_since_the_last_commit_and_the_session_goes_on(
     assert rows(dialect_url, label) == ["after_rollback", "first"]
 
 
+def test_a_rollback_with_nothing_sent_since_the_commit_discards_nothing(
+    client: Client, dialect_url: str
+) -> None:
+    label = new_label("empty-rollback")
+    answer = client.post(label, then="empty_rollback")
+    assert answer.status_code == 201, answer.get_data(as_text=True)
+    assert rows(dialect_url, label) == ["after_rollback", "first"]
+
+
+@pytest.mark.parametrize(("status", "kept"), [(201, ["first", "raw", "second"]), (500, [])])
+def test_session_and_the_extensions_connection_share_the_transaction(
+    client: Client, dialect_url: str, status: int, kept: list[str]
+) -> None:
+    label = new_label(f"raw-{status}")
+    answer = client.post(label, then="raw", headers={"X-Status": str(status)})
+    assert answer.status_code == status, answer.get_data(as_text=True)
+    assert rows(dialect_url, label) == kept
+
+
 def test_rollback_then_failure_keeps_nothing(client: Client, dialect_url: str) -> None:
     """The writes after a rollback follow the same rule: a 500 keeps none of them."""
     label = new_label("rollback-failed")
