@@ -15,9 +15,11 @@ multiprocess mode adds them up: each worker writes its values to memory-mapped
 files in ``PROMETHEUS_MULTIPROC_DIR`` and whichever worker answers the scrape
 reads them all. That variable must be set (to an empty directory) in gunicorn's
 master before it forks, and each dead worker's live gauges removed in
-``child_exit``; the project's ``gunicorn.conf.py`` shows both. The library never
-sets it. Without it (one process, ``flask run``, tests) the metrics live in a
-registry as usual.
+``child_exit``: the hooks of :mod:`flask_idempotency.gunicorn` do both, imported
+in one line of ``gunicorn.conf.py``. Without it (one process, ``flask run``,
+tests) the metrics live in a registry as usual; under several gunicorn workers
+without it, each worker logs an ERROR and the scrape exports
+``flask_idempotency_metrics_multiprocess_misconfigured 1``.
 
 Metric names (all under ``flask_idempotency_``) and their labels are listed in
 the README's "Observability" section. Counters count from the process start
