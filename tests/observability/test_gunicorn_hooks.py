@@ -79,7 +79,12 @@ def scrape(server: GunicornServer) -> dict[str, float]:
 
 
 def start(
-    factory: GunicornFactory, tmp_path: Path, conf: str, db: str, workers: int
+    factory: GunicornFactory,
+    tmp_path: Path,
+    conf: str,
+    db: str,
+    workers: int,
+    extra_args: tuple[str, ...] = (),
 ) -> GunicornServer:
     config = tmp_path / "gunicorn.conf.py"
     config.write_text(conf)
@@ -91,6 +96,7 @@ def start(
         worker_class="gthread",
         threads=2,
         env=environ,
+        extra_args=extra_args,
     )
 
 
@@ -151,6 +157,18 @@ def test_without_the_hooks_several_workers_say_so_in_the_log_and_the_scrape(
     assert log.count(ERROR) == (workers if workers > 1 else 0), log
     if workers > 1:
         assert "from flask_idempotency.gunicorn import" in log  # the fix, in the message
+
+
+def test_without_the_hooks_a_preloaded_app_says_so_too(
+    gunicorn_server: GunicornFactory, clean_db: str, tmp_path: Path
+) -> None:
+    """With ``preload_app`` the app is built in the master, under the arbiter; the
+    workers forked from it check again when they answer a scrape."""
+    server = start(gunicorn_server, tmp_path, "", clean_db, WORKERS, ("--preload",))
+    for _ in range(3 * WORKERS):
+        assert scrape(server)[MISCONFIGURED + "/"] == 1
+    # The master's, then each scraped worker's: found from a request's thread too.
+    assert server.log_text().count(ERROR) >= 2, server.log_text()
 
 
 def test_outside_gunicorn_there_is_no_worker_count() -> None:
