@@ -10,6 +10,9 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 # pip runs again only when the dependencies may have changed.
 STAMP   := $(VENV)/.installed
+# `make run` needs the example's dependencies only (the `example` extra), not the
+# development toolchain; `make venv` (`dev`) includes them.
+EXAMPLE_STAMP := $(VENV)/.installed-example
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-x -k proxy"`.
 PYTEST_ARGS ?=
 
@@ -63,8 +66,15 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-run: venv
+# The example app on a fresh machine: without DATABASE_URL gunicorn's master starts
+# an embedded PostgreSQL (pgserver); without REDIS_URL it runs with no cache.
+run: $(EXAMPLE_STAMP)
 	$(VENV)/bin/gunicorn -c gunicorn.conf.py wsgi:app
+
+$(EXAMPLE_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
+	$(PY) -m pip install -e '.[example]'
+	touch $@
 
 # The peers it measures next to the extension are benchmark-only dependencies,
 # installed here (not by `make venv`); see benchmarks/README.md.

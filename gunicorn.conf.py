@@ -9,12 +9,17 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
+
+from flask_idempotency import gunicorn as idempotency_hooks
+
+# The extension's hooks: Prometheus' multiprocess directory (GET /metrics adds up every
+# worker; a dead worker's live gauges dropped) and the pool-against-threads warning.
+# on_starting and on_exit below are this file's own, and call the extension's.
+from flask_idempotency.gunicorn import child_exit, post_worker_init  # noqa: F401
 
 
 def _bind(environ: os._Environ[str]) -> str:
@@ -77,14 +82,6 @@ preload_app = False
 control_socket_disable = True
 
 
-def post_worker_init(worker: Any) -> None:
-    """Warn in the log when a worker has more threads than idempotency pool connections
-    (each in-flight request holds one); imported here, in the worker, not the master."""
-    from flask_idempotency.gunicorn import check_worker
-
-    check_worker(worker)
-
-
 def when_ready(server: Any) -> None:
     """Say where the API listens and how to try it."""
     for listener in server.LISTENERS:
@@ -126,53 +123,11 @@ def _embedded() -> ModuleType:
     return module
 
 
-# -- Prometheus' multiprocess directory: GET /metrics adds up every worker ----------------
-
-#: prometheus-client's multiprocess mode: each worker writes its metrics to files here
-#: and the one answering GET /metrics reads them all. It must be set before any worker
-#: (or the master) imports prometheus_client, so in the master, before the fork.
-_METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
-#: ``<pid>:<directory>`` of the master that created the directory, and removes it on exit.
-_METRICS_DIR_CREATED_BY = "EXAMPLE_METRICS_DIR_CREATED_BY"
-
-
-def _prepare_metrics_dir(server: Any) -> None:
-    """$PROMETHEUS_MULTIPROC_DIR emptied of an earlier run's files (their counters would
-    be added to this run's), or a fresh directory of this master's own."""
-    directory = os.environ.get(_METRICS_DIR, "").strip()
-    if directory:
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        for stale in [*path.glob("*.db"), *path.glob("flask_idempotency_table_stats.*")]:
-            stale.unlink(missing_ok=True)
-    else:
-        directory = tempfile.mkdtemp(prefix="gunicorn-metrics-")
-        os.environ[_METRICS_DIR] = directory
-        os.environ[_METRICS_DIR_CREATED_BY] = f"{os.getpid()}:{directory}"
-    server.log.info("prometheus multiprocess directory: %s", directory)
-
-
-def child_exit(server: Any, worker: Any) -> None:
-    """A worker is gone: drop its live gauges (in-flight claims, pool use) from the sums;
-    its counters stay, so no request it counted is lost."""
-    directory = os.environ.get(_METRICS_DIR, "").strip()
-    if directory and importlib.util.find_spec("prometheus_client") is not None:
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(worker.pid, directory)  # type: ignore[no-untyped-call]
-
-
-def _remove_metrics_dir() -> None:
-    pid, _, directory = os.environ.get(_METRICS_DIR_CREATED_BY, "").partition(":")
-    if pid == str(os.getpid()) and directory:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
 def on_starting(server: Any) -> None:
     """Prepare the metrics directory; without DATABASE_URL, start the embedded PostgreSQL
     here, once, before any worker exists; the workers inherit its URL as DATABASE_URL
     and never start or stop it."""
-    _prepare_metrics_dir(server)
+    idempotency_hooks.on_starting(server)
     if os.environ.get("DATABASE_URL", "").strip():
         return
     embedded = _embedded()
@@ -195,7 +150,7 @@ def on_exit(server: Any) -> None:
 
     gunicorn runs this in the master only: a worker exiting or being replaced never
     stops the database the others use."""
-    _remove_metrics_dir()
+    idempotency_hooks.on_exit(server)
     pid, _, instance = os.environ.get(_STARTED_BY, "").partition(":")
     if pid != str(os.getpid()) or not instance:
         return

@@ -1,90 +1,147 @@
-"""gunicorn helpers: warn when a worker has more threads than database connections.
+"""gunicorn's hooks for an app that uses the extension: one import in gunicorn.conf.py.
 
-Each in-flight idempotent request holds one connection of the extension's pool
-from its claim to its completion. A gthread worker with more threads than the
-pool's size (``IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]``, or db's engine's)
-makes the extra requests queue for a connection (and answer ``503`` after the
-pool's timeout). In your gunicorn.conf.py::
+::
 
-    from flask_idempotency.gunicorn import post_worker_init  # noqa: F401
+    # gunicorn.conf.py
+    from flask_idempotency.gunicorn import child_exit, on_exit, on_starting, post_worker_init
 
-or, if you have a ``post_worker_init`` of your own, call
-``check_worker(worker)`` from it. The check logs a WARNING (through gunicorn's
-logger) when the pool is smaller than ``threads``; it never changes a setting.
+(or ``from flask_idempotency.gunicorn import *``, which imports those four names).
+They do two jobs:
+
+- **Prometheus across workers.** prometheus-client's multiprocess mode adds up
+  every worker's figures, whichever worker answers the scrape: each writes its
+  values to files in ``PROMETHEUS_MULTIPROC_DIR``. ``on_starting`` (in the master,
+  before any worker is forked) empties the directory you set of an earlier run's
+  files, or makes a fresh one when you set none; ``child_exit`` drops a dead
+  worker's live gauges (``mark_process_dead``), its counters stay; ``on_exit``
+  removes the directory it made. Without prometheus-client they do nothing.
+- **The pool against the threads.** ``post_worker_init`` logs a WARNING when a
+  worker has more threads than the extension's pool has connections
+  (:func:`check_worker`).
+
+gunicorn reads one function per hook name. If your gunicorn.conf.py has a hook
+of its own with one of these names, call ours from it instead of importing the
+name::
+
+    from flask_idempotency import gunicorn as idempotency_hooks
+
+    def on_starting(server):
+        idempotency_hooks.on_starting(server)
+        ...  # yours
+
+With ``preload_app = True`` the master imports the app, and so prometheus-client,
+before ``on_starting`` runs: set ``PROMETHEUS_MULTIPROC_DIR`` in the environment
+instead (``on_starting`` still empties it). ``on_starting`` logs an ERROR when
+it finds prometheus-client imported too early.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Protocol
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
-from flask import Flask
+from .workers import check_pool_size as check_pool_size
+from .workers import check_worker as check_worker
 
-from .state import find_app_state
+__all__ = ["child_exit", "on_exit", "on_starting", "post_worker_init"]
 
-log = logging.getLogger("flask_idempotency")
-
-
-class _Logger(Protocol):
-    def warning(self, msg: str, *args: Any) -> None: ...
-
-
-def find_flask_app(wsgi: Any) -> Flask | None:
-    """The Flask app behind a WSGI callable: itself, or one a middleware wraps
-    (``.app``, ``.application``, ``.wsgi_app``), a few levels deep."""
-    seen: set[int] = set()
-    todo = [wsgi]
-    while todo:
-        candidate = todo.pop()
-        if candidate is None or id(candidate) in seen or len(seen) > 20:
-            continue
-        seen.add(id(candidate))
-        if isinstance(candidate, Flask):
-            return candidate
-        for name in ("app", "application", "wsgi_app", "__self__"):
-            todo.append(getattr(candidate, name, None))
-    return None
+#: The variable prometheus-client's multiprocess mode reads when it is imported.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: ``<pid>:<made|kept>:<directory>``: the master that prepared the directory, and
+#: whether it made it (and so removes it on exit) or kept the one it was given. In
+#: the environment, not a global: a HUP re-reads gunicorn.conf.py.
+_PREPARED_ENV = "FLASK_IDEMPOTENCY_METRICS_DIR_PREPARED"
 
 
-def pool_capacity(app: Flask) -> tuple[int, str] | None:
-    """How many requests the app's idempotency pool can serve at once, and the
-    setting that decides it; ``None`` if the app does not use the extension."""
-    state = find_app_state(app)
-    if state is None:
-        return None
-    return state.store.pool.capacity()
+def on_starting(server: Any) -> None:
+    """Prepare the Prometheus multiprocess directory (master, before the fork)."""
+    directory = prepare_metrics_dir()
+    if directory is None:
+        return
+    server.log.info("prometheus multiprocess directory: %s", directory)
+    if not _prometheus_multiprocess():
+        server.log.error(
+            "flask_idempotency: prometheus_client was imported before %s was set "
+            "(preload_app?): each worker will export only its own figures. Set %s in "
+            "the environment gunicorn starts with.",
+            MULTIPROC_ENV,
+            MULTIPROC_ENV,
+        )
 
 
-def check_pool_size(app: Flask, threads: int, log: _Logger = log) -> bool:
-    """Warn (and return False) if fewer connections than ``threads`` serve requests."""
-    found = pool_capacity(app)
-    if found is None:
-        return True
-    capacity, source = found
-    if capacity >= threads:
-        return True
-    log.warning(
-        "idempotency: %s allows %d database connection(s) for %d worker threads; every "
-        "in-flight idempotent request holds one, so the others wait for one (and answer 503 "
-        "when the pool's timeout passes). Raise it to at least %d "
-        "(plus one per idempotency.transaction() a view opens).",
-        source,
-        capacity,
-        threads,
-        threads,
-    )
-    return False
+def child_exit(server: Any, worker: Any) -> None:
+    """A worker is gone (ended, killed or replaced): drop its live gauges (claims in
+    flight, pool use) from the sums; its counters stay, so no request it counted is lost."""
+    directory = os.environ.get(MULTIPROC_ENV, "").strip()
+    if directory and _has_prometheus_client():
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid, directory)  # type: ignore[no-untyped-call]
 
 
-def check_worker(worker: Any) -> bool:
-    """``check_pool_size`` for a gunicorn worker: its app and ``cfg.threads``."""
-    app = find_flask_app(getattr(worker, "wsgi", None))
-    if app is None:
-        return True
-    threads = int(getattr(worker.cfg, "threads", 1) or 1)
-    return check_pool_size(app, threads, getattr(worker, "log", log))
+def on_exit(server: Any) -> None:
+    """Remove the directory ``on_starting`` made (never one you set)."""
+    remove_metrics_dir()
 
 
 def post_worker_init(worker: Any) -> None:
-    """gunicorn's ``post_worker_init`` hook: runs in each worker once its app is loaded."""
+    """Warn when the worker's threads outnumber the pool's connections."""
     check_worker(worker)
+
+
+def prepare_metrics_dir() -> Path | None:
+    """``$PROMETHEUS_MULTIPROC_DIR`` emptied of an earlier run's files (their counters
+    would be added to this run's), or a fresh directory made and exported there.
+
+    ``None`` without prometheus-client. Runs once per master: a second call (a
+    reloaded gunicorn.conf.py) leaves the directory and the workers' files alone."""
+    if not _has_prometheus_client():
+        return None
+    directory = os.environ.get(MULTIPROC_ENV, "").strip()
+    pid, how, prepared = _prepared()
+    if directory and pid == os.getpid() and prepared == directory:
+        return Path(directory)
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="prometheus-multiproc-")
+        os.environ[MULTIPROC_ENV] = directory
+        os.environ[_PREPARED_ENV] = f"{os.getpid()}:made:{directory}"
+        return Path(directory)
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    # prometheus-client's files, and the table statistics the workers share there.
+    for stale in [*path.glob("*.db"), *path.glob("flask_idempotency_table_stats.*")]:
+        stale.unlink(missing_ok=True)
+    os.environ[_PREPARED_ENV] = f"{os.getpid()}:kept:{directory}"
+    return path
+
+
+def remove_metrics_dir() -> None:
+    """Remove the directory this process made in :func:`prepare_metrics_dir`."""
+    pid, how, directory = _prepared()
+    if pid == os.getpid() and how == "made" and directory:
+        shutil.rmtree(directory, ignore_errors=True)
+        os.environ.pop(_PREPARED_ENV, None)
+
+
+def _prepared() -> tuple[int | None, str, str]:
+    """What :data:`_PREPARED_ENV` says: the master's pid, made or kept, the directory."""
+    pid, _, rest = os.environ.get(_PREPARED_ENV, "").partition(":")
+    how, _, directory = rest.partition(":")
+    return (int(pid) if pid.isdigit() else None), how, directory
+
+
+def _has_prometheus_client() -> bool:
+    return importlib.util.find_spec("prometheus_client") is not None
+
+
+def _prometheus_multiprocess() -> bool:
+    """Whether prometheus-client, if imported already, chose multiprocess mode."""
+    values = sys.modules.get("prometheus_client.values")
+    if values is None:
+        return True  # imported later, in the workers, with the variable set
+    return bool(getattr(values.ValueClass, "_multiprocess", False))

@@ -15,9 +15,11 @@ multiprocess mode adds them up: each worker writes its values to memory-mapped
 files in ``PROMETHEUS_MULTIPROC_DIR`` and whichever worker answers the scrape
 reads them all. That variable must be set (to an empty directory) in gunicorn's
 master before it forks, and each dead worker's live gauges removed in
-``child_exit``; the project's ``gunicorn.conf.py`` shows both. The library never
-sets it. Without it (one process, ``flask run``, tests) the metrics live in a
-registry as usual.
+``child_exit``: the hooks of :mod:`flask_idempotency.gunicorn` do both, imported
+in one line of ``gunicorn.conf.py``. Without it (one process, ``flask run``,
+tests) the metrics live in a registry as usual; under several gunicorn workers
+without it, each worker logs an ERROR and the scrape exports
+``flask_idempotency_metrics_multiprocess_misconfigured 1``.
 
 Metric names (all under ``flask_idempotency_``) and their labels are listed in
 the README's "Observability" section. Counters count from the process start
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -50,7 +54,7 @@ from ..observer import (
     RequestOutcome,
 )
 from ..state import app_state
-from . import attach
+from . import attach, multiprocess_check
 from .table_stats import DEFAULT_TABLE_STATS_INTERVAL as DEFAULT_TABLE_STATS_INTERVAL
 from .table_stats import MULTIPROC_ENV as MULTIPROC_ENV
 from .table_stats import PREFIX as PREFIX
@@ -67,6 +71,10 @@ LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 
+
+
+#: Reads of the multiprocess directory before a scrape gives up (see ``exposition``).
+_SCRAPE_TRIES = 5
 
 
 def multiprocess_mode() -> bool:
@@ -154,6 +162,14 @@ class _Instruments:
         self.pool_timeouts = counter(
             "pool_timeouts", "Requests that found no free database connection in time (503)"
         )
+        # Only ever 1 outside multiprocess mode, where it is a plain per-process gauge.
+        self.multiprocess_misconfigured = Gauge(
+            f"{PREFIX}_metrics_multiprocess_misconfigured",
+            "1 when this scrape shows one of several gunicorn workers' figures alone "
+            "(prometheus-client's multiprocess mode is not set up)",
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
 
 
 _instruments: weakref.WeakKeyDictionary[CollectorRegistry, _Instruments] = (
@@ -215,7 +231,8 @@ class PrometheusMetrics(Observer):
                 "(in gunicorn.conf.py, in the master).",
                 MULTIPROC_ENV,
             )
-        from ..gunicorn import pool_capacity
+        self._check_workers()
+        from ..workers import pool_capacity
 
         capacity = pool_capacity(app)
         if capacity is not None:
@@ -238,8 +255,25 @@ class PrometheusMetrics(Observer):
         default, OpenMetrics on request), and its content type. In multiprocess
         mode, every worker's figures added up."""
         self._show_routes()
+        self._check_workers()
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self._registry_to_scrape()), content_type
+        for attempt in range(1, _SCRAPE_TRIES + 1):
+            try:
+                return encoder(self._registry_to_scrape()), content_type
+            except struct.error:
+                # A worker starting now has created its file but not yet sized it
+                # (prometheus-client opens, then truncates): read again shortly.
+                if attempt == _SCRAPE_TRIES:
+                    raise
+                time.sleep(0.01 * attempt)
+        raise AssertionError("unreachable")
+
+    def _check_workers(self) -> None:
+        """The misconfiguration gauge (and ERROR) of a worker that exports its figures
+        alone; at start-up, and on scrapes for a worker forked after ``init_app``
+        (``preload_app``)."""
+        if multiprocess_check.misconfigured(multiprocess_mode()):
+            self._m.multiprocess_misconfigured.set(1)
 
     def _show_routes(self) -> None:
         """Every outcome of every decorated route at 0 until it happens: rates and

@@ -30,7 +30,7 @@ log = logging.getLogger("flask_idempotency.observability")
 PREFIX = "flask_idempotency"
 #: Typical scrape interval: the table-wide collector queries at most this often.
 DEFAULT_TABLE_STATS_INTERVAL = 15.0
-#: The variable prometheus-client's multiprocess mode reads (set by gunicorn.conf.py).
+#: The variable prometheus-client's multiprocess mode reads (flask_idempotency.gunicorn sets it).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 

@@ -135,7 +135,7 @@ def test_a_claim_deallocated_by_the_application_is_prepared_again(
 def test_the_keeper_renews_on_a_connection_it_keeps_from_the_borrowed_pool(
     make_app: MakeApp, clean_db: str
 ) -> None:
-    from flask_idempotency.gunicorn import check_pool_size
+    from flask_idempotency.workers import check_pool_size
 
     pool = LendingPool(1, 4, clean_db)
     try:

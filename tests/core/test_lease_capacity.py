@@ -27,8 +27,8 @@ import pytest
 from flask import Flask, Response, jsonify, request
 
 from flask_idempotency import Idempotency
-from flask_idempotency.gunicorn import check_pool_size
 from flask_idempotency.store.pool import ConnectionPool
+from flask_idempotency.workers import check_pool_size
 from support import core_app
 from support.records import wait_for_renewal
 from support.servers import GunicornFactory, http_request

@@ -31,6 +31,7 @@ COVERED: dict[Path, tuple[str, ...]] = {
     DOCS / "deployment.md": ("Health checks",),
 }
 
+
 def test_every_block_is_run_or_illustrative() -> None:
     unmarked, bad = [], []
     for path in documents():
@@ -198,8 +199,8 @@ def _delete_broker_names(url: str, prefix: str) -> None:
 def test_prometheus_under_gunicorn_adds_up_workers(
     tmp_path: Path, page_env: dict[str, str]
 ) -> None:
-    """Two workers, seven requests: every scrape shows 6 executed and 1 replayed,
-    whichever worker answers."""
+    """Two workers, seven requests, the hooks imported in one line: every scrape shows
+    6 executed and 1 replayed, whichever worker answers."""
     page = make_page(DOCS / "observability.md", tmp_path, page_env)
     try:
         page.run()
@@ -210,6 +211,11 @@ def test_prometheus_under_gunicorn_adds_up_workers(
     replayed = re.findall(r'outcome="replayed"[^}]*source="store"[^}]*} (\S+)', scraped)
     assert executed == ["6.0"] * 3, scraped
     assert replayed == ["1.0"] * 3, scraped
+    # The shipped hooks set up the multiprocess mode: nothing to warn about.
+    misconfigured = re.findall(
+        r"^flask_idempotency_metrics_multiprocess_misconfigured (\S+)", scraped, re.M
+    )
+    assert misconfigured == ["0.0"] * 3, scraped
 
 
 def test_health_check(tmp_path: Path, page_env: dict[str, str]) -> None:
@@ -230,3 +236,23 @@ def test_readme_links_point_at_files() -> None:
 def test_readme_is_short() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) < 150, len(lines)
+
+
+def test_deployment_shows_the_gunicorn_import_the_observability_page_runs() -> None:
+    """The deployment page's gunicorn.conf.py is illustrative; its import line is the
+    one the observability page runs under gunicorn (above)."""
+
+    def first_line(path: Path, starts: str) -> str:
+        found = [
+            line
+            for block in blocks(path)
+            for line in block.text.splitlines()
+            if line.startswith(starts)
+        ]
+        assert found, path
+        return found[0]
+
+    imports = "from flask_idempotency.gunicorn import"
+    assert first_line(DOCS / "deployment.md", imports) == first_line(
+        DOCS / "observability.md", imports
+    )

@@ -51,6 +51,8 @@ PUBLIC = {
         "Result",
         "Subscription",
     ],
+    # gunicorn.conf.py's one import: the hooks gunicorn reads by name.
+    "flask_idempotency.gunicorn": ["child_exit", "on_exit", "on_starting", "post_worker_init"],
     "flask_idempotency.observability": [
         "PHASE_CLAIM",
         "PHASE_COMPLETE",
@@ -85,7 +87,7 @@ def test_public_names_are_pinned(module: str) -> None:
 
 def test_importing_the_package_loads_no_cli_completer_or_broker_module() -> None:
     """A web worker imports the extension; the CLI, the completer, the relay, the
-    consumer and the broker client load only when something uses them."""
+    consumer, the broker client and gunicorn's hooks load only when something uses them."""
     code = (
         "import json, sys, flask_idempotency;"
         "print(json.dumps(sorted(m for m in sys.modules"
@@ -103,6 +105,7 @@ def test_importing_the_package_loads_no_cli_completer_or_broker_module() -> None
         "flask_idempotency.events.consumer",
         "flask_idempotency.events.embedded",
         "flask_idempotency.events.relay",
+        "flask_idempotency.gunicorn",  # gunicorn.conf.py's, in the master
         "kombu",
         "amqp",
     }

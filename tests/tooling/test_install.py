@@ -44,6 +44,9 @@ from typing import Any
 
 import pytest
 import redis
+from packaging.utils import canonicalize_name
+
+from .test_makefile import DEV_TOOLS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE_APP = REPO_ROOT / "tests" / "support" / "smoke_app.py"
@@ -101,6 +104,13 @@ print(json.dumps({
         for a in answers
     ],
 }))
+"""
+
+#: Every distribution in the virtualenv, as one JSON line.
+LIST_DISTRIBUTIONS = """
+import json
+from importlib import metadata
+print(json.dumps({"names": sorted(d.metadata["Name"] for d in metadata.distributions())}))
 """
 
 
@@ -438,6 +448,11 @@ def test_example_app_runs_from_the_checkout_with_example_extra(
     venv: Venv, clean_db: str, timings: Timings
 ) -> None:
     venv.install("example")
+    # What `make run` installs: the example's dependencies, no development tool.
+    listed = run([venv.python, "-I", "-c", LIST_DISTRIBUTIONS], timings, "list distributions")
+    installed = {canonicalize_name(name) for name in last_json_line(listed.stdout)["names"]}
+    assert "gunicorn" in installed and "pgserver" in installed, installed
+    assert installed & DEV_TOOLS == set(), "the example extra brought development tools"
     proc = run(
         [venv.python, "-I", "-c", EXAMPLE_CHECK],
         timings,
