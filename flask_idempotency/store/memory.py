@@ -80,10 +80,20 @@ class MemoryStore:
     claim_mode = "row"
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+        self._base_clock = clock
+        self._offset = 0.0
         self._lock = threading.Lock()
         self._records: dict[bytes, _Record] = {}
         self._guard = one_process.Guard("IDEMPOTENCY_DATABASE_URL = memory://")
+
+    def _clock(self) -> float:
+        return self._base_clock() + self._offset
+
+    def advance(self, seconds: float) -> None:
+        """Move this store's clock ``seconds`` forward: a test expires leases and
+        records this way instead of sleeping past them."""
+        with self._lock:
+            self._offset += seconds
 
     # -- what a request's handle does ---------------------------------------
 
