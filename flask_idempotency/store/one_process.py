@@ -35,17 +35,20 @@ def server_processes() -> tuple[str, int, bool] | None:
     if "gunicorn" not in sys.modules:
         return None
     # gunicorn loads the app from a method of its worker (or, with --preload, of its
-    # arbiter or application object), each of which holds the configuration as .cfg.
+    # arbiter), through its application object; each holds the configuration as .cfg.
+    workers: int | None = None
+    in_worker = False
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         module = type(owner).__module__ if owner is not None else ""
         if module.startswith("gunicorn"):
-            workers = getattr(getattr(owner, "cfg", None), "workers", None)
-            if isinstance(workers, int):
-                return "gunicorn", workers, module.startswith("gunicorn.workers")
+            found = getattr(getattr(owner, "cfg", None), "workers", None)
+            if workers is None and isinstance(found, int):
+                workers = found
+            in_worker = in_worker or module.startswith("gunicorn.workers")
         frame = frame.f_back
-    return None
+    return None if workers is None else ("gunicorn", workers, in_worker)
 
 
 class Guard:
