@@ -40,6 +40,9 @@ from .sql import new_token
 
 #: The URL that selects this store.
 MEMORY_URL = "memory://"
+#: Claims between two sweeps of expired records: each sweep reads every record once,
+#: so its cost per claim stays constant however many records there are.
+SWEEP_EVERY = 1024
 
 _NO_CONNECTION = (
     "IDEMPOTENCY_DATABASE_URL is memory://: there is no database connection or "
@@ -84,6 +87,7 @@ class MemoryStore:
         self._offset = 0.0
         self._lock = threading.Lock()
         self._records: dict[bytes, _Record] = {}
+        self._claims_since_sweep = 0
         self._guard = one_process.Guard("IDEMPOTENCY_DATABASE_URL = memory://")
 
     def _clock(self) -> float:
@@ -106,6 +110,7 @@ class MemoryStore:
         self._guard.check()
         with self._lock:
             now = self._clock()
+            self._sweep(now)
             record = self._records.get(record_key)
             live = record is not None and record.expires_at > now
             if record is not None and live:
@@ -139,6 +144,16 @@ class MemoryStore:
                 phases=phases,
             )
             return Claimed(token, tuple(phases), takeover=live)
+
+    def _sweep(self, now: float) -> None:
+        """Forget expired records now and then (under the lock): nothing else would in
+        a development server that runs for days, since no command reaches its memory."""
+        self._claims_since_sweep += 1
+        if self._claims_since_sweep < SWEEP_EVERY:
+            return
+        self._claims_since_sweep = 0
+        for key in [k for k, r in self._records.items() if r.expires_at <= now]:
+            del self._records[key]
 
     def _held(self, record_key: bytes, token: int) -> _Record:
         """Our processing record (under the lock), or ``LeaseLostError`` (fencing)."""

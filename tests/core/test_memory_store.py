@@ -17,7 +17,7 @@ from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency, global_scope
 from flask_idempotency.cache import NullCache
-from flask_idempotency.store.memory import MemoryStore
+from flask_idempotency.store.memory import SWEEP_EVERY, MemoryStore
 from flask_idempotency.store.one_process import MultiProcessError
 from flask_idempotency.testing.live_server import LiveServer
 from support import core_app
@@ -268,3 +268,15 @@ def test_gunicorn_with_one_threaded_worker_serves(
     first = storm(server.url, "storm", {"sleep": 0.5}, clients=30)
     second = storm(server.url, "storm", {"sleep": 0.5}, clients=10)
     assert_ran_once(first, second, server.url)
+
+
+def test_expired_records_are_swept_without_any_command() -> None:
+    """A development server runs for days and no command reaches its memory: claims
+    forget expired records now and then, so the store does not grow for ever."""
+    store = MemoryStore()
+    for n in range(SWEEP_EVERY - 1):
+        store.claim(b"old-%d" % n, b"fp", lease=1, ttl=1)
+    store.advance(2)
+    assert store.stats()["expired"] == SWEEP_EVERY - 1
+    store.claim(b"new", b"fp", lease=1, ttl=1)  # the claim that sweeps
+    assert store.stats() == {"processing": 1, "completed": 0, "expired": 0}
