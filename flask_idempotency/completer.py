@@ -89,6 +89,7 @@ class Recoverer:
             raise ValueError("older_than must be >= 0 and batch_size >= 1")
         self.app = app
         self.state = app_state(app)
+        self.store = self.state.postgres_store("recovering abandoned attempts")
         if self.state.settings.claim_mode != "row":
             raise RuntimeError(
                 "recovery needs IDEMPOTENCY_CLAIM_MODE = 'row': under "
@@ -133,7 +134,7 @@ class Recoverer:
         """Recover every record abandoned before the pass began; a record handed
         back during the pass waits for the next one."""
         outcomes: collections.Counter[RecoveryOutcome] = collections.Counter()
-        cutoff = self.state.store.recovery_cutoff(self.older_than)
+        cutoff = self.store.recovery_cutoff(self.older_than)
         while stop is None or not stop.is_set():
             batch = self._take_over(cutoff)
             for index, taken in enumerate(batch):
@@ -152,7 +153,7 @@ class Recoverer:
         return outcomes
 
     def _take_over(self, cutoff: Any) -> list[Taken]:
-        taken = self.state.store.take_over(cutoff, self.batch_size, self.lease)
+        taken = self.store.take_over(cutoff, self.batch_size, self.lease)
         for item in taken:
             self.state.keeper.hold(LeaseHold(item.record_key, item.token, self.lease))
             self.state.metrics.inc("abandoned")
@@ -189,7 +190,7 @@ class Recoverer:
                 attempt.endpoint,
             )
             return self._hand_back(taken, RecoveryOutcome.SKIPPED)
-        tx = self.state.store.begin()
+        tx = self.store.begin()
         tx.has_progress = bool(phases)
         try:
             with self._bound(attempt, options, taken, tx, phases) as ctx:
@@ -288,7 +289,7 @@ class Recoverer:
         return RecoveryOutcome.RECOVERED
 
     def _release(self, taken: Taken) -> RecoveryOutcome:
-        store = self.state.store
+        store = self.store
         if not store.release_abandoned(
             taken.record_key, taken.token, keep_phases=bool(taken.phases)
         ):
@@ -300,7 +301,7 @@ class Recoverer:
         self, taken: Taken, outcome: RecoveryOutcome = RecoveryOutcome.DEFERRED
     ) -> RecoveryOutcome:
         self.state.keeper.drop(taken.record_key, taken.token)
-        if not self.state.store.hand_back(taken.record_key, taken.token):
+        if not self.store.hand_back(taken.record_key, taken.token):
             return RecoveryOutcome.FENCED
         return outcome
 

@@ -32,6 +32,7 @@ from .settings import settings_from_config
 from .state import AppState, app_state, find_app_state, install, request_state
 from .store.base import StoreUnavailableError
 from .store.errors import is_unreachable
+from .store.memory import MemoryStore, is_memory_url
 from .store.postgres import PostgresStore
 
 if TYPE_CHECKING:
@@ -101,6 +102,11 @@ class Idempotency:
         if find_app_state(app) is not None:
             raise RuntimeError("flask_idempotency is already initialised on this app")
         joins = db is not None or engine is not None
+        if joins and is_memory_url(app.config.get("IDEMPOTENCY_DATABASE_URL")):
+            raise ValueError(
+                "IDEMPOTENCY_DATABASE_URL is memory://, which has no database for db= (or "
+                "engine=) to join: drop db=, or use that database instead of memory://"
+            )
         settings = settings_from_config(
             app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
         )
@@ -115,7 +121,11 @@ class Idempotency:
             from . import sqlalchemy_session  # SQLAlchemy is imported only by its users
 
             pool, sessions = sqlalchemy_session.from_app(app, db, engine, session)
-        store = PostgresStore.from_settings(settings, pool)
+        store: PostgresStore | MemoryStore
+        if is_memory_url(settings.database_url):
+            store = MemoryStore()
+        else:
+            store = PostgresStore.from_settings(settings, pool)
         state = AppState(
             settings=settings,
             store=store,

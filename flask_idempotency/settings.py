@@ -35,7 +35,9 @@ ShouldStore = Callable[[int], bool]
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    #: ``IDEMPOTENCY_DATABASE_URL``: libpq DSN or URL. Either this or ``POOL``.
+    #: ``IDEMPOTENCY_DATABASE_URL``: libpq DSN or URL. Either this or ``POOL``. ``"memory://"``
+    #: keeps the records in this process's memory instead: for unit tests and local
+    #: development, never production (one process only; see the testing page).
     database_url: str | None = None
     #: ``IDEMPOTENCY_POOL``: an existing ``psycopg2.pool.AbstractConnectionPool`` to borrow from.
     pool: Any = None

@@ -45,6 +45,7 @@ from .errors import StoreUnavailable
 from .state import request_state
 from .store.base import StoreUnavailableError
 from .store.engine_pool import EnginePool
+from .store.memory import MemoryRequest
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import scoped_session
@@ -193,13 +194,14 @@ class SessionJoin:
 
     def join(self, ctx: RequestState) -> None:
         """Make ``db.session`` work on ``ctx``'s transaction until the attempt ends."""
-        assert ctx.tx is not None
-        raw = ctx.tx.held_connection()
+        tx = ctx.tx
+        assert tx is not None and not isinstance(tx, MemoryRequest)  # (init_app refuses it)
+        raw = tx.held_connection()
         connection = self.pool.sqlalchemy_connection(raw)
         session = self.sessions()
         if session.in_transaction():
             session.rollback()  # (detach() ended it before the claim; a safety net)
-        joined = Joined(session, connection, ctx.tx, inline=self.inline)
+        joined = Joined(session, connection, tx, inline=self.inline)
         session.info[JOINED] = connection
         _JOINED_BY_DBAPI[raw] = joined
         ctx.session = joined

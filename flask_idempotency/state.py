@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .metrics import Metrics
     from .observer import RequestOutcome
     from .settings import Settings
+    from .store.memory import MemoryRequest, MemoryStore
     from .store.postgres import PostgresStore
     from .store.request import PostgresRequest
 
@@ -64,7 +65,8 @@ class AppState:
     """Everything one app's extension owns; lives in ``app.extensions["idempotency"]``."""
 
     settings: Settings
-    store: PostgresStore
+    #: PostgreSQL, or with ``IDEMPOTENCY_DATABASE_URL = "memory://"`` this process's memory.
+    store: PostgresStore | MemoryStore
     cache: ResponseCache
     keeper: LeaseKeeper
     metrics: Metrics
@@ -93,6 +95,15 @@ class AppState:
                 if self.migration_deferred:
                     log.warning("idempotency: PostgreSQL is back; migrations applied")
 
+    def postgres_store(self, what: str) -> PostgresStore:
+        """The PostgreSQL store, for ``what`` only PostgreSQL does (recovery, table
+        statistics); ``RuntimeError`` under ``memory://``."""
+        from .store.memory import MemoryStore  # (light: no driver)
+
+        if isinstance(self.store, MemoryStore):
+            raise RuntimeError(f"{what} needs PostgreSQL; IDEMPOTENCY_DATABASE_URL is memory://")
+        return self.store
+
     def options_for(self, options: RouteOptions) -> EffectiveOptions:
         """A route's effective options; ``ValueError`` on its first request if they
         break renewal interval < lease <= TTL together with the app's settings."""
@@ -119,7 +130,7 @@ class RequestState:
     record_key: bytes | None
     fingerprint: bytes
     route: EffectiveOptions
-    tx: PostgresRequest | None = None
+    tx: PostgresRequest | MemoryRequest | None = None
     token: int | None = None
     claimed_at: float = 0.0
     replayed: bool = False

@@ -22,7 +22,6 @@ from flask.cli import AppGroup
 from .. import completer, keys
 from ..events import outbox
 from ..keys import parse_key, record_key
-from ..state import AppState, app_state
 from ..store.base import RecordInfo, StoreUnavailableError
 from .doctor import diagnose
 from .doctor import document as diagnosis_document
@@ -31,6 +30,7 @@ from .progress import Progress, interval_option
 from .prompts import confirm, yes_option
 from .relay import relay
 from .stop import exit_interrupted, stop_on_signals
+from .target import command_state
 
 GROUP_EPILOG = """\b
 Example:
@@ -51,13 +51,6 @@ group = AppGroup(
     epilog=GROUP_EPILOG,
 )
 group.add_command(relay)
-
-
-def _state() -> AppState:
-    try:
-        return app_state()
-    except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 def _record_key(
@@ -100,7 +93,7 @@ def _scope_from_headers(authorization: str | None, headers: tuple[str, ...]) -> 
         if any(name.lower() == "authorization" for name, _ in sent):
             raise click.UsageError("give --authorization or --header 'Authorization: ...'")
         sent.append(("Authorization", authorization))
-    state = _state()
+    state = command_state()
     scope_func = state.settings.scope_func
     name = getattr(scope_func, "__qualname__", repr(scope_func))
     app = current_app._get_current_object()  # type: ignore[attr-defined]
@@ -153,7 +146,7 @@ def migrate() -> None:
     Every missing migration is applied in one transaction under an advisory
     lock: an interrupted run applies none of them, and the next run starts over.
     """
-    state = _state()
+    state = command_state()
     try:
         applied = state.store.migrate(state.settings.migration_dirs)
     except (StoreUnavailableError, FileNotFoundError) as exc:
@@ -192,7 +185,7 @@ def purge(dry_run: bool, batch_size: int, yes: bool, progress_interval: float) -
     skip); off a terminal (cron) it goes ahead. Progress goes to standard error,
     the totals to standard output. Ctrl-C stops between batches (exit 130).
     """
-    state = _state()
+    state = command_state()
     try:
         records = state.store.count_expired()
         events = outbox.count_expired(state.store)
@@ -299,7 +292,7 @@ def show(
     app's scope function computes from --authorization / --header, or in
     --scope. Exit 1 when there is no record.
     """
-    state = _state()
+    state = command_state()
     rkey = _record_key(key, scope, authorization, headers)
     try:
         info = state.store.info(rkey)
@@ -325,7 +318,7 @@ Examples:
 def stats(as_json: bool) -> None:
     """Table-wide figures: records by state, expired rows awaiting purge, stuck leases,
     abandoned records and what ``recover`` made of them."""
-    state = _state()
+    state = command_state()
     try:
         figures = state.store.stats()
         figures.update(completer.stats(state.store))
@@ -381,7 +374,7 @@ def recover(
     record in hand (exit 130). Several may run at once. Needs
     IDEMPOTENCY_CLAIM_MODE = "row".
     """
-    _state()
+    command_state()
     app = current_app._get_current_object()  # type: ignore[attr-defined]
     try:
         recoverer = completer.Recoverer(app, older_than=older_than, batch_size=batch_size)
@@ -426,7 +419,7 @@ def unlock(
     whose lease is still being renewed is in flight: the command says so and
     asks on a terminal; off a terminal it needs --yes (else exit 2).
     """
-    state = _state()
+    state = command_state()
     rkey = _record_key(key, scope, authorization, headers)
     try:
         info = state.store.info(rkey)
@@ -465,7 +458,7 @@ def doctor(as_json: bool) -> None:
     """Check the set-up: PostgreSQL answers, every migration is applied, Redis and
     the broker answer when configured, the pool's size. Says what to run or set
     for each problem; exits 1 if a check fails."""
-    checks = diagnose(_state())
+    checks = diagnose(command_state())
     result = diagnosis_document(checks)
     if as_json:
         click.echo(json.dumps(result, indent=2))

@@ -124,6 +124,8 @@ def _broker(state: AppState) -> Check:
 
 
 def _pool(state: AppState) -> Check:
+    if state.store.pool is None:
+        return Check("pool", OK, "memory:// holds no connections")
     capacity = state.store.pool.capacity()
     if capacity is None:
         return Check("pool", OK, "the pool's size is the application's own")

@@ -8,10 +8,10 @@ from flask.cli import with_appcontext
 from ..events import outbox
 from ..events.amqp import BrokerUnavailable, Publisher, redact
 from ..events.relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, Relay
-from ..state import app_state
 from ..store.base import StoreUnavailableError
 from .progress import Progress, interval_option
 from .stop import exit_interrupted, stop_on_signals
+from .target import command_state
 
 
 @click.command(
@@ -63,10 +63,7 @@ def relay(
     the broker or database is unreachable, 130 if Ctrl-C stopped it between
     batches.
     """
-    try:
-        state = app_state()
-    except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from None
+    state = command_state()
     url = broker_url or state.settings.broker_url
     if not url:
         raise click.ClickException("no broker: set IDEMPOTENCY_BROKER_URL or give --broker-url")

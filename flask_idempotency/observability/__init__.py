@@ -42,7 +42,8 @@ def attach(app: Flask, observer: Observer) -> None:
     hub.add_observer(observer)
     # The parts call the hub only once someone listens: until then each pays
     # for an attribute that is None.
-    state.store.pool.observer = hub.fanout
+    if state.store.pool is not None:  # (memory:// has none)
+        state.store.pool.observer = hub.fanout
     state.keeper.observer = hub.fanout
     attach_cache = getattr(state.cache, "attach_observer", None)
     if attach_cache is not None:

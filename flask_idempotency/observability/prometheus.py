@@ -242,7 +242,8 @@ class PrometheusMetrics(Observer):
         self._show_routes()
         if self.table_stats:
             state = app_state(app)
-            collector = TableStatsCollector(state.store, interval=self.table_stats_interval)
+            store = state.postgres_store("IDEMPOTENCY table statistics (table_stats=True)")
+            collector = TableStatsCollector(store, interval=self.table_stats_interval)
             self._collectors.append(collector)
             if not multiprocess_mode():
                 self.registry.register(collector)

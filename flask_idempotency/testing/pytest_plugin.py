@@ -23,6 +23,9 @@ Fixtures:
     (configured by its own ``--postgresql-*`` options and ``postgresql_*`` ini
     keys), or, with ``--idempotency-dsn`` (ini ``idempotency_dsn``, environment
     ``IDEMPOTENCY_TEST_DSN``), an existing server through its noproc factory.
+    As root (a CI container), which PostgreSQL refuses, ``pg_ctl`` runs as an
+    unprivileged account (``unprivileged.py``); a server that cannot be started
+    fails in one line that names ``--idempotency-dsn``.
 """
 
 from __future__ import annotations
@@ -140,7 +143,42 @@ def idempotency_postgresql(request: pytest.FixtureRequest) -> Any:
         return request.getfixturevalue(NOPROC_FIXTURE)
     if not request.config.pluginmanager.has_plugin("pytest_postgresql"):
         pytest.fail(_INSTALL_HINT, pytrace=False)
-    return request.getfixturevalue("postgresql_proc")
+    from flask_idempotency.testing import unprivileged
+
+    if unprivileged.running_as_root():
+        _run_pg_ctl_unprivileged(request.config)
+    try:
+        return request.getfixturevalue("postgresql_proc")
+    except Exception as exc:  # pg_ctl's own output went to the captured stderr
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    pytest.fail(
+        f"flask-idempotency: pytest-postgresql could not start PostgreSQL ({reason}); "
+        f"{unprivileged.USE_A_SERVER}",
+        pytrace=False,
+    )
+
+
+def _run_pg_ctl_unprivileged(config: pytest.Config) -> None:
+    """As root, make pytest-postgresql's process fixture run ``pg_ctl`` through a
+    wrapper that runs it as an unprivileged account (``unprivileged.py``); fail in
+    one line when that cannot work."""
+    import shutil
+
+    from flask_idempotency.testing import unprivileged
+
+    configured = config.getoption("postgresql_exec") or config.getini("postgresql_exec")
+    pg_ctl = unprivileged.find_pg_ctl(str(configured or ""))
+    if pg_ctl is None or unprivileged.is_script(pg_ctl):
+        return  # pytest-postgresql's own error lists where it looked; a wrapper knows
+    workdir = unprivileged.make_workdir()
+    # After the session's fixtures, so after pytest-postgresql stopped the server.
+    config.add_cleanup(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    try:
+        config.option.postgresql_exec = unprivileged.wrapper_for(pg_ctl, workdir)
+        return
+    except unprivileged.CannotRunUnprivileged as exc:
+        reason = str(exc)
+    pytest.fail(reason, pytrace=False)  # (outside the except: no chained traceback)
 
 
 @pytest.fixture(scope="session")

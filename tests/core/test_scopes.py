@@ -29,6 +29,9 @@ from flask_idempotency import (
 )
 
 MakeApp = Callable[..., Flask]
+
+pytestmark = pytest.mark.each_store
+
 BODY = {"amount": 1500, "currency": "eur"}
 
 

@@ -1,4 +1,6 @@
-"""One test per row of CONTRACT section 1, through Flask's test client and real PostgreSQL."""
+"""One test per row of CONTRACT section 1, through Flask's test client, on real
+PostgreSQL and (each test that does not look into PostgreSQL itself) on the
+in-memory store too (``tests/core/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ import pytest
 from flask import Flask
 from werkzeug.test import TestResponse
 
+from .conftest import Records
+
 MakeApp = Callable[..., Flask]
+
+pytestmark = pytest.mark.each_store
 
 
 def post(
@@ -180,21 +186,21 @@ def test_wait_mode_replays_the_first_answer(make_app: MakeApp) -> None:
 
 @pytest.mark.parametrize("failure", [{"status": 500}, {"status": 503}, {"raise": True}])
 def test_server_errors_store_nothing_and_a_retry_runs(
-    make_app: MakeApp, database_url: str, failure: dict[str, Any]
+    make_app: MakeApp, records: Records, failure: dict[str, Any]
 ) -> None:
     app = make_app()
     response = post(app, failure)
     assert response.status_code >= 500
-    assert sql(database_url, "SELECT count(*) FROM idempotency_records") == [(0,)]
-    # The view's own writes were rolled back with the attempt.
-    assert sql(database_url, "SELECT count(*) FROM core_business_rows") == [(0,)]
+    assert records.count(app) == 0
+    # The view's own writes were rolled back with the attempt (memory:// has none).
+    assert records.kept_writes(app) in (0, None)
     assert post(app, failure).status_code >= 500
     assert runs(app) == ["charges", "charges"]
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 408, 409, 422, 425, 429])
 def test_answers_that_mean_not_acted_on_are_not_stored(
-    make_app: MakeApp, database_url: str, status: int
+    make_app: MakeApp, records: Records, status: int
 ) -> None:
     app = make_app()
     first = post(app, {"status": status})
@@ -202,7 +208,7 @@ def test_answers_that_mean_not_acted_on_are_not_stored(
     assert first.headers["Idempotent-Replayed"] == "false"
     assert post(app, {"status": status}).headers["Idempotent-Replayed"] == "false"
     assert runs(app) == ["charges", "charges"]
-    assert sql(database_url, "SELECT count(*) FROM core_business_rows") == [(0,)]
+    assert records.kept_writes(app) in (0, None)
 
 
 @pytest.mark.parametrize("status", [200, 201, 202, 302, 402])
@@ -289,6 +295,7 @@ def test_authentication_runs_first_and_401_is_never_stored(make_app: MakeApp) ->
     assert runs(app) == ["authenticated"]
 
 
+@pytest.mark.postgres_only
 def test_postgres_unreachable_fails_closed(make_app: MakeApp) -> None:
     app = make_app(IDEMPOTENCY_AUTO_MIGRATE=False)
     app.extensions["idempotency"].store.pool._dsn = "postgresql://postgres@127.0.0.1:9/none"
@@ -300,10 +307,10 @@ def test_postgres_unreachable_fails_closed(make_app: MakeApp) -> None:
     assert runs(app) == []
 
 
-def test_expired_record_is_treated_as_absent(make_app: MakeApp, database_url: str) -> None:
+def test_expired_record_is_treated_as_absent(make_app: MakeApp, records: Records) -> None:
     app = make_app()
     post(app, {"amount": 1})
-    sql(database_url, "UPDATE idempotency_records SET expires_at = now() - interval '1 second'")
+    records.expire(app)
     again = post(app, {"amount": 2})  # even a different request: the old record is gone
     assert again.status_code == 201
     assert again.headers["Idempotent-Replayed"] == "false"
@@ -427,6 +434,7 @@ def test_unreadable_body_is_400_malformed_body(make_app: MakeApp) -> None:
     assert runs(app) == []
 
 
+@pytest.mark.postgres_only
 def test_claim_works_without_prepared_statements(make_app: MakeApp) -> None:
     """For PgBouncer in transaction mode, which drops a session's prepared statements."""
     app = make_app(IDEMPOTENCY_PREPARE_STATEMENTS=False)

@@ -23,12 +23,16 @@ DOCS = ROOT / "docs"
 #: What the tests below run: a document and its sections (empty: the whole page).
 #: A block that is neither run here nor marked ``illustrative`` fails
 #: ``test_every_block_is_run_or_illustrative``.
+#: docs/testing.md's unit tests on memory://, run as a reader would.
+MEMORY_SECTION = "Unit tests without PostgreSQL: `memory://`"
+
 COVERED: dict[Path, tuple[str, ...]] = {
     ROOT / "README.md": ("Quickstart",),
     DOCS / "quickstart.md": ("With Flask-SQLAlchemy", "With a psycopg2 connection", "Try it"),
     DOCS / "events.md": (),
     DOCS / "observability.md": (),
     DOCS / "deployment.md": ("Health checks",),
+    DOCS / "testing.md": (MEMORY_SECTION,),
 }
 
 
@@ -216,6 +220,15 @@ def test_prometheus_under_gunicorn_adds_up_workers(
         r"^flask_idempotency_metrics_multiprocess_misconfigured (\S+)", scraped, re.M
     )
     assert misconfigured == ["0.0"] * 3, scraped
+
+
+def test_unit_tests_on_memory(tmp_path: Path, page_env: dict[str, str]) -> None:
+    page = make_page(DOCS / "testing.md", tmp_path, page_env)
+    try:
+        page.run(MEMORY_SECTION)
+    finally:
+        page.stop()
+    assert "1 passed" in page.results[-1].output
 
 
 def test_health_check(tmp_path: Path, page_env: dict[str, str]) -> None:

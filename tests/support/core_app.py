@@ -7,6 +7,10 @@ and in ``core_executions`` through a separate autocommit connection, so a
 multi-process server's executions can be counted even when the attempt is
 later rolled back.
 
+With ``memory://`` as the URL (the in-memory store) there is no database: the
+executions are recorded in memory only, and the view's "business row" is a
+number from a counter (no transaction to keep or roll it back).
+
 The app keeps the extension's default scope function, so its clients send
 credentials as a real API client would: ``app.test_client()`` sends
 ``CLIENT_AUTHORIZATION`` unless a request sets its own ``Authorization``
@@ -16,6 +20,7 @@ principal uses a plain ``flask.testing.FlaskClient``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -38,6 +43,9 @@ CREATE TABLE IF NOT EXISTS core_executions (
 );
 """
 
+
+#: The URL of the in-memory store (``flask_idempotency.store.memory``).
+MEMORY_URL = "memory://"
 
 #: The API key the core app's clients send by default.
 CLIENT_AUTHORIZATION = "Bearer core-test-client"
@@ -80,10 +88,13 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
         if name.startswith("CORE_APP_IDEMPOTENCY_"):
             app.config[name.removeprefix("CORE_APP_")] = value
     app.config.update(config or {})
-    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
-        cur.execute("SELECT pg_advisory_xact_lock(4242)")
-        cur.execute(TABLES)
-    conn.close()
+    in_memory = dsn == MEMORY_URL
+    if not in_memory:
+        with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(4242)")
+            cur.execute(TABLES)
+        conn.close()
+    row_ids = itertools.count(1)
 
     idempotency = Idempotency(app)
     app.test_client_class = CredentialedClient
@@ -95,6 +106,8 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
 
     def record_execution(label: str) -> None:
         runs.append(label)
+        if in_memory:
+            return
         with idempotency.transaction() as conn, conn.cursor() as cur:
             cur.execute(
                 "INSERT INTO core_executions (label, pid) VALUES (%s, %s)", (label, os.getpid())
@@ -113,10 +126,15 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
             raise RuntimeError("the view failed")
         if "abort" in body:
             abort(int(body["abort"]))
-        with idempotency.connection().cursor() as cur:
-            cur.execute("INSERT INTO core_business_rows (label) VALUES (%s) RETURNING id", (label,))
-            row = cur.fetchone()
-            assert row is not None
+        if in_memory:
+            row: Any = (next(row_ids),)
+        else:
+            with idempotency.connection().cursor() as cur:
+                cur.execute(
+                    "INSERT INTO core_business_rows (label) VALUES (%s) RETURNING id", (label,)
+                )
+                row = cur.fetchone()
+                assert row is not None
         status = int(body.get("status", 201))
         payload = {"row": row[0], "label": label, "echo": body, "at": time.time()}
         if "big" in body:

@@ -10,14 +10,19 @@ a server of its own from pgserver's ``pg_ctl``.
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from flask_idempotency.testing import databases
 from flask_idempotency.testing.assertions import preview
+from support._files import unprivileged_user
+from support.postgres_install import find_bindir, usable_bindir
 from support.postgres_proc import pg_ctl_executable
 
 pytest_plugins = ["pytester"]
@@ -242,6 +247,45 @@ def test_the_default_server_is_pytest_postgresqls_process_fixture(
         "--idempotency-db-scope=session",
     )
     result.assert_outcomes(passed=2)
+
+
+def test_as_root_with_no_dsn_the_plugin_starts_its_own_server(
+    user_project: pytest.Pytester,
+) -> None:
+    """The case of a CI container: no DSN, pytest running as root, ``pg_ctl`` given as
+    the real binary (never a wrapper). PostgreSQL refuses root, so the plugin runs it
+    as an unprivileged account; the user's tests pass. (As another user the same run
+    takes the ordinary path.)"""
+    user_project.makepyfile(test_charges=PASSING_TESTS)
+    real_pg_ctl = usable_bindir(find_bindir(), unprivileged_user()) / "pg_ctl"
+    result = user_project.runpytest_subprocess(
+        "-p", "no:cacheprovider", f"--postgresql-exec={real_pg_ctl}", timeout=300
+    )
+    output = result.stdout.str() + result.stderr.str()
+    result.assert_outcomes(passed=2)
+    assert "cannot be run as root" not in output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal of root is PostgreSQL's, for root")
+def test_as_root_without_a_usable_pg_ctl_the_failure_is_one_line(
+    user_project: pytest.Pytester, tmp_path: Path
+) -> None:
+    """A pg_ctl the unprivileged account cannot reach (here in a 0700 directory of
+    root's): one line that says what to pass, not pg_ctl's CalledProcessError."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    pg_ctl = private / "pg_ctl"
+    shutil.copy2(find_bindir() / "pg_ctl", pg_ctl)  # the binary, where only root goes
+    user_project.makepyfile(test_db="def test_needs_the_database(idempotency_dsn):\n    pass\n")
+    result = user_project.runpytest_subprocess(
+        "-p", "no:cacheprovider", f"--postgresql-exec={pg_ctl}", timeout=120
+    )
+    result.assert_outcomes(errors=1)
+    output = result.stdout.str()
+    assert "CalledProcessError" not in output and "Traceback" not in output
+    [line] = [line for line in output.splitlines() if "--idempotency-dsn" in line]
+    assert "pytest runs as root" in line and "cannot reach" in line
+    assert "ini idempotency_dsn" in line
 
 
 def test_an_unreachable_dsn_fails_the_tests_instead_of_skipping(

@@ -1,0 +1,172 @@
+"""The plugin's throwaway PostgreSQL when pytest runs as root (CI containers).
+
+``pg_ctl`` refuses to run as root ("cannot be run as root"), and
+pytest-postgresql keeps the cluster under pytest's temporary directory, which
+only its owner may enter. As root, the plugin therefore hands
+pytest-postgresql a small wrapper instead of ``pg_ctl``: it runs the real one
+as an unprivileged account (``nobody``, else ``postgres``) and moves the data
+directory and log it is given to a directory that account owns (leaving an
+empty directory where pytest-postgresql expects its data). When that cannot
+work (no such account, or the account cannot reach the binaries) the plugin
+says so in one line, with the option that avoids starting a server at all.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+#: What to do instead, at the end of every failure this module reports.
+USE_A_SERVER = (
+    "pass --idempotency-dsn=postgresql://USER@HOST:PORT/postgres (ini idempotency_dsn, "
+    "or $IDEMPOTENCY_TEST_DSN) to use a server you run instead"
+)
+
+# Runs as root, becomes the account and execs the real pg_ctl, with the data
+# directory and log (under pytest's 0700 temporary directory) replaced by the
+# same names in a directory of the account's own, one per original parent.
+_SHIM = """\
+import hashlib, os, sys
+
+REAL, UID, GID, HOMES = {real!r}, {uid}, {gid}, {homes!r}
+
+
+def relocate(path, create_marker):
+    parent, name = os.path.split(os.path.abspath(path))
+    home = os.path.join(HOMES, hashlib.sha256(parent.encode()).hexdigest()[:16])
+    if not os.path.isdir(home):
+        os.mkdir(home, 0o700)
+        os.chown(home, UID, GID)
+    if create_marker:  # pytest-postgresql checks that its data directory exists
+        os.makedirs(path, exist_ok=True)
+    return os.path.join(home, name)
+
+
+args = sys.argv[1:]
+command = args[0] if args else ""
+out = []
+i = 0
+while i < len(args):
+    out.append(args[i])
+    if args[i] in ("-D", "--pgdata", "-l", "--log") and i + 1 < len(args):
+        is_data = args[i] in ("-D", "--pgdata")
+        out.append(relocate(args[i + 1], create_marker=is_data and command == "initdb"))
+        i += 1
+    i += 1
+os.setgroups([])
+os.setgid(GID)
+os.setuid(UID)
+os.chdir(HOMES)
+os.execv(REAL, [REAL] + out)
+"""
+
+
+class Account(NamedTuple):
+    name: str
+    uid: int
+    gid: int
+
+
+class CannotRunUnprivileged(RuntimeError):
+    """Running as root, with no way to run PostgreSQL as someone else."""
+
+
+def running_as_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def account() -> Account:
+    """The account PostgreSQL runs as: ``nobody`` (owns nothing, exists everywhere),
+    else ``postgres``."""
+    for name in ("nobody", "postgres"):
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        return Account(name, entry.pw_uid, entry.pw_gid)
+    raise CannotRunUnprivileged(
+        "pytest runs as root, which PostgreSQL refuses, and there is no 'nobody' or "
+        f"'postgres' account to run it as: {USE_A_SERVER}"
+    )
+
+
+def find_pg_ctl(configured: str | None) -> str | None:
+    """The ``pg_ctl`` pytest-postgresql would run: ``--postgresql-exec`` (or its ini
+    key) when it names a file, else the one ``pg_config`` or ``PATH`` knows."""
+    if configured and os.path.isfile(configured):
+        return configured
+    try:
+        bindir = subprocess.run(
+            ["pg_config", "--bindir"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        bindir = ""
+    if bindir and os.path.isfile(os.path.join(bindir, "pg_ctl")):
+        return os.path.join(bindir, "pg_ctl")
+    return shutil.which("pg_ctl")
+
+
+def is_script(path: str) -> bool:
+    """Whether ``path`` is a script (``#!``): a wrapper of someone's own around the
+    real ``pg_ctl``, which is a binary, and is left to do what it does as root."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(2) == b"#!"
+    except OSError:
+        return False
+
+
+def can_run(path: Path, runs_as: Account) -> bool:
+    """Whether ``runs_as`` (with no supplementary groups, as the wrapper runs it) may
+    run ``path``: the execute bit that applies to it on the file and every directory
+    above it."""
+    for part in (path, *path.parents):
+        mode = part.stat()
+        if mode.st_uid == runs_as.uid:
+            bit = stat.S_IXUSR
+        elif mode.st_gid == runs_as.gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not mode.st_mode & bit:
+            return False
+    return True
+
+
+def wrapper_for(pg_ctl: str, workdir: Path) -> str:
+    """An executable in ``workdir`` (made here) that runs ``pg_ctl`` as :func:`account`;
+    ``CannotRunUnprivileged`` when it could not."""
+    runs_as = account()
+    real = Path(pg_ctl).resolve()
+    if not can_run(real, runs_as):
+        raise CannotRunUnprivileged(
+            f"pytest runs as root, so PostgreSQL must run as '{runs_as.name}', who cannot "
+            f"reach {real} (give --postgresql-exec a pg_ctl every user can run), or "
+            f"{USE_A_SERVER}"
+        )
+    workdir.chmod(0o711)  # the account passes through to its own directory, lists nothing
+    homes = workdir / "data"
+    homes.mkdir(mode=0o700)
+    os.chown(homes, runs_as.uid, runs_as.gid)
+    shim = workdir / "pg_ctl_as_user.py"
+    shim.write_text(
+        _SHIM.format(real=str(real), uid=runs_as.uid, gid=runs_as.gid, homes=str(homes))
+    )
+    wrapper = workdir / "pg_ctl"
+    python = shlex.quote(sys.executable)
+    wrapper.write_text(f'#!/bin/sh\nexec {python} -I -S {shlex.quote(str(shim))} "$@"\n')
+    wrapper.chmod(0o700)
+    return str(wrapper)
+
+
+def make_workdir() -> Path:
+    """A directory for the wrapper and the data, removed with ``shutil.rmtree``."""
+    return Path(tempfile.mkdtemp(prefix="flask-idempotency-pg-"))
