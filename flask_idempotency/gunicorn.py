@@ -84,49 +84,9 @@ def child_exit(server: Any, worker: Any) -> None:
         multiprocess.mark_process_dead(worker.pid, directory)  # type: ignore[no-untyped-call]
 
 
-<<<<<<< HEAD
 def on_exit(server: Any) -> None:
     """Remove the directory ``on_starting`` made (never one you set)."""
     remove_metrics_dir()
-=======
-def pool_capacity(app: Flask) -> tuple[int, str] | None:
-    """How many requests the app's idempotency pool can serve at once, and the
-    setting that decides it; ``None`` if the app does not use the extension."""
-    state = find_app_state(app)
-    if state is None or state.store.pool is None:  # (memory:// holds no connections)
-        return None
-    return state.store.pool.capacity()
-
-
-def check_pool_size(app: Flask, threads: int, log: _Logger = log) -> bool:
-    """Warn (and return False) if fewer connections than ``threads`` serve requests."""
-    found = pool_capacity(app)
-    if found is None:
-        return True
-    capacity, source = found
-    if capacity >= threads:
-        return True
-    log.warning(
-        "idempotency: %s allows %d database connection(s) for %d worker threads; every "
-        "in-flight idempotent request holds one, so the others wait for one (and answer 503 "
-        "when the pool's timeout passes). Raise it to at least %d "
-        "(plus one per idempotency.transaction() a view opens).",
-        source,
-        capacity,
-        threads,
-        threads,
-    )
-    return False
-
-
-def check_worker(worker: Any) -> bool:
-    """``check_pool_size`` for a gunicorn worker: its app and ``cfg.threads``."""
-    app = find_flask_app(getattr(worker, "wsgi", None))
-    if app is None:
-        return True
-    threads = int(getattr(worker.cfg, "threads", 1) or 1)
-    return check_pool_size(app, threads, getattr(worker, "log", log))
->>>>>>> h-memory
 
 
 def post_worker_init(worker: Any) -> None:

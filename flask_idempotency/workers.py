@@ -52,7 +52,7 @@ def pool_capacity(app: Flask) -> tuple[int, str] | None:
     """How many requests the app's idempotency pool can serve at once, and the
     setting that decides it; ``None`` if the app does not use the extension."""
     state = find_app_state(app)
-    if state is None:
+    if state is None or state.store.pool is None:  # (memory:// holds no connections)
         return None
     return state.store.pool.capacity()
 
