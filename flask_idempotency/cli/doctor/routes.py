@@ -141,7 +141,9 @@ def scope(ctx: Context) -> Check:
     pooled: list[str] = []
     unknown: list[str] = []
     routes = idempotent_routes(ctx)
-    for route in routes:
+    # No decorated route yet (blueprints registered later?): judge the app's setting.
+    candidates = routes or [Route("", "IDEMPOTENCY_SCOPE_FUNC", "/", "POST", _APP_WIDE)]
+    for route in candidates:
         func = route.options.scope_func or settings.scope_func
         outcome = _anonymous_scope(ctx, route, func)
         if outcome is _UNKNOWN:
@@ -175,6 +177,7 @@ def scope(ctx: Context) -> Check:
 
 
 _UNKNOWN: Any = object()
+_APP_WIDE = RouteOptions(required=True)
 
 
 def _anonymous_scope(ctx: Context, route: Route, func: Any) -> Any:
