@@ -99,7 +99,9 @@ def test_prose_shows_one_line_per_check_with_the_fix_under_each_problem(clean_db
     drills = next(i for i, line in enumerate(lines) if "testing drills" in line)
     assert lines[drills].startswith("WARN  testing drills")
     assert lines[drills + 1].strip() == "-> turn it off outside test configurations"
-    assert lines[-1].startswith(f"{sum(1 for l in lines if l[:4] in ('OK  ', 'WARN', 'FAIL'))} checks:")
+    assert lines[-1].startswith(
+        f"{sum(1 for line in lines if line[:4] in ('OK  ', 'WARN', 'FAIL'))} checks:"
+    )
 
 
 def test_on_healthy_servers_the_doctor_takes_well_under_two_seconds(
@@ -124,7 +126,14 @@ def test_doctor_through_a_real_process_on_a_sound_setup(clean_db: str, tmp_path:
         [*flask, "idempotency", "migrate"], cwd=tmp_path, env=env, check=True, capture_output=True
     )
     done = subprocess.run(
-        [*flask, "idempotency", "doctor", "--json", "--gunicorn-config", str(ROOT / "gunicorn.conf.py")],
+        [
+            *flask,
+            "idempotency",
+            "doctor",
+            "--json",
+            "--gunicorn-config",
+            str(ROOT / "gunicorn.conf.py"),
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,

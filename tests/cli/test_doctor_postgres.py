@@ -42,7 +42,9 @@ def test_a_direct_connection_is_no_pgbouncer(clean_db: str) -> None:
     assert found.status == OK and "connected straight to PostgreSQL" in found.detail
 
 
-@pytest.mark.skipif(find_pgbouncer() is None, reason="no pgbouncer binary (apt-get install pgbouncer)")
+@pytest.mark.skipif(
+    find_pgbouncer() is None, reason="no pgbouncer binary (apt-get install pgbouncer)"
+)
 def test_pgbouncer_in_transaction_mode_fails_with_prepared_statements_on(
     clean_db: str,
 ) -> None:
@@ -54,14 +56,14 @@ def test_pgbouncer_in_transaction_mode_fails_with_prepared_statements_on(
         assert "PgBouncer" in found.detail and "transaction mode" in found.detail
         assert found.fix == 'set IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"] = False'
 
-        with app_on(
-            through, IDEMPOTENCY_DATABASE_OPTIONS={"prepare_statements": False}
-        ) as app:
+        with app_on(through, IDEMPOTENCY_DATABASE_OPTIONS={"prepare_statements": False}) as app:
             found = check(app, "pgbouncer")
         assert found.status == OK and "prepared statements off" in found.detail, found
 
 
-@pytest.mark.skipif(find_pgbouncer() is None, reason="no pgbouncer binary (apt-get install pgbouncer)")
+@pytest.mark.skipif(
+    find_pgbouncer() is None, reason="no pgbouncer binary (apt-get install pgbouncer)"
+)
 def test_pgbouncer_in_session_mode_keeps_prepared_statements(clean_db: str) -> None:
     with ThrowawayPgBouncer(clean_db, pool_mode="session", pool_size=4) as bouncer:
         with app_on(bouncer.url_for(dbname(clean_db))) as app:
@@ -170,7 +172,10 @@ def test_dead_rows_piling_up_warn_until_vacuumed(autovacuuming: str) -> None:
     with app_on(autovacuuming) as app:
         migrated(app)
         # A trigger autovacuum never reaches: the rows stay dead until VACUUM.
-        sql(autovacuuming, "ALTER TABLE idempotency_records SET (autovacuum_vacuum_threshold = 2000000000)")
+        sql(
+            autovacuuming,
+            "ALTER TABLE idempotency_records SET (autovacuum_vacuum_threshold = 2000000000)",
+        )
         sql(autovacuuming, SEED, (12_000,))
         sql(autovacuuming, "DELETE FROM idempotency_records")
         found = _wait_for(app, WARN)
@@ -195,7 +200,10 @@ def test_a_large_table_under_the_default_scale_factor_warns(
         assert found.status == WARN, found
         assert "with autovacuum_vacuum_scale_factor 0.2, 600 rows die" in found.detail
 
-        sql(autovacuuming, "ALTER TABLE idempotency_records SET (autovacuum_vacuum_scale_factor = 0.01)")
+        sql(
+            autovacuuming,
+            "ALTER TABLE idempotency_records SET (autovacuum_vacuum_scale_factor = 0.01)",
+        )
         found = check(app, "autovacuum")
     assert found.status == OK and "0.01 x live rows" in found.detail, found
 

@@ -210,6 +210,6 @@ def _unwritable(directory: str) -> str | None:
     if path.exists():
         return "is not a directory"
     parent = next((p for p in path.parents if p.exists()), None)
-    if parent is None or not os.access(parent, os.W_OK | os.X_OK):
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         return "does not exist and cannot be created"
     return None  # created at start-up (mkdir -p): fine
