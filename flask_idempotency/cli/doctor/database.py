@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ...store.base import StoreUnavailableError
+from ...store.diagnostics import AUTOVACUUM, SERVER_CLOCK, SERVER_SIDE, SESSION_TIMEOUTS
 from .base import FAIL, OK, WARN, Check, Context, seconds
 from .routes import longest_lease, shortest_lease
 
@@ -24,6 +25,8 @@ DEAD_MIN = 10_000
 #: that share of its rows to die before autovacuum comes: set a smaller one.
 LARGE_TABLE = 1_000_000
 LARGE_SCALE_FACTOR = 0.05
+#: The records table, as the fixes name it.
+RECORDS = "idempotency_records"
 #: Clock skew above which the doctor warns (seconds); above half the shortest
 #: lease it fails, since leases and TTLs are compared with the server's clock.
 SKEW_WARN = 1.0
@@ -62,13 +65,6 @@ def schema(ctx: Context) -> Check:
 
 
 # -- PgBouncer ---------------------------------------------------------------------
-
-#: The server's own port, and which database and role the app is: a client port
-#: that differs from the server's means something forwards the connection.
-SERVER_SIDE = """
-SELECT current_setting('port')::int, current_database(), current_user,
-       current_setting('server_version')
-"""
 
 
 def pgbouncer(ctx: Context) -> Check:
@@ -166,26 +162,6 @@ def _rows(cur: Any, sql: str) -> list[dict[str, Any]]:
 
 # -- session timeouts --------------------------------------------------------------
 
-#: What a new session of this role in this database starts with (milliseconds),
-#: and where each is set: the role's or the database's own setting, if any.
-SESSION_TIMEOUTS = """
-SELECT s.name, s.reset_val::bigint,
-       (SELECT string_agg(CASE WHEN d.setrole <> 0 AND d.setdatabase <> 0
-                                 THEN 'ALTER ROLE ' || current_user || ' IN DATABASE '
-                                      || current_database()
-                               WHEN d.setrole <> 0 THEN 'ALTER ROLE ' || current_user
-                               ELSE 'ALTER DATABASE ' || current_database() END, ', ')
-          FROM pg_db_role_setting d
-         WHERE d.setdatabase IN (0, (SELECT oid FROM pg_database
-                                      WHERE datname = current_database()))
-           AND d.setrole IN (0, (SELECT oid FROM pg_roles WHERE rolname = current_user))
-           AND EXISTS (SELECT 1 FROM unnest(d.setconfig) AS c
-                        WHERE c LIKE s.name || '=%'))
-  FROM pg_settings s
- WHERE s.name IN ('statement_timeout', 'idle_in_transaction_session_timeout',
-                  'idle_session_timeout')
-"""
-
 
 def session_timeouts(ctx: Context) -> Check:
     """Server-side timeouts that end a request before its lease does.
@@ -259,16 +235,6 @@ def session_timeouts(ctx: Context) -> Check:
 
 # -- autovacuum ----------------------------------------------------------------------
 
-AUTOVACUUM = """
-SELECT c.reloptions, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
-       current_setting('autovacuum')::bool, current_setting('track_counts')::bool,
-       current_setting('autovacuum_vacuum_scale_factor')::float8,
-       current_setting('autovacuum_vacuum_threshold')::int8,
-       extract(epoch FROM now() - greatest(s.last_autovacuum, s.last_vacuum))::float8
-  FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
- WHERE c.oid = to_regclass('idempotency_records')
-"""
-
 
 def autovacuum(ctx: Context) -> Check:
     """Every request inserts and updates a record and purge deletes them: the
@@ -294,7 +260,7 @@ def autovacuum(ctx: Context) -> Check:
             FAIL,
             f"{what}: the dead rows every request and purge leave are never vacuumed "
             "(the table and its index bloat, claims slow down)",
-            "ALTER TABLE idempotency_records RESET (autovacuum_enabled)"
+            f"ALTER TABLE {RECORDS} RESET (autovacuum_enabled)"
             if not table_on
             else "autovacuum = on and track_counts = on in postgresql.conf",
         )
@@ -306,7 +272,7 @@ def autovacuum(ctx: Context) -> Check:
             WARN,
             f"{figures}{last}: autovacuum is behind the table's churn (trigger: "
             f"{threshold} + {scale:g} x live rows)",
-            "ALTER TABLE idempotency_records SET (autovacuum_vacuum_scale_factor = 0.01, "
+            f"ALTER TABLE {RECORDS} SET (autovacuum_vacuum_scale_factor = 0.01, "
             "autovacuum_vacuum_threshold = 1000); look for long transactions holding back vacuum",
         )
     if live > LARGE_TABLE and scale > LARGE_SCALE_FACTOR:
@@ -315,7 +281,7 @@ def autovacuum(ctx: Context) -> Check:
             WARN,
             f"{figures}: with autovacuum_vacuum_scale_factor {scale:g}, "
             f"{int(live * scale)} rows die before autovacuum comes",
-            "ALTER TABLE idempotency_records SET (autovacuum_vacuum_scale_factor = 0.01)",
+            f"ALTER TABLE {RECORDS} SET (autovacuum_vacuum_scale_factor = 0.01)",
         )
     return Check(
         "autovacuum", OK, f"{figures}{last}; vacuumed after {threshold} + {scale:g} x live rows"
@@ -323,8 +289,6 @@ def autovacuum(ctx: Context) -> Check:
 
 
 # -- clocks ----------------------------------------------------------------------------
-
-SERVER_CLOCK = "SELECT extract(epoch FROM clock_timestamp())::float8"
 
 
 def clock(ctx: Context) -> Check:
