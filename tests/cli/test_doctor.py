@@ -150,3 +150,19 @@ def test_doctor_through_a_real_process_on_a_sound_setup(clean_db: str, tmp_path:
     assert names[:2] == ["database", "schema"]
     assert {"pool", "lease", "scope", "prometheus", "relay", "completer"} <= set(names)
     assert all(isinstance(c["ms"], float) for c in report["checks"])
+
+
+def test_the_operations_page_shows_what_the_doctor_prints(clean_db: str, clean_redis: str) -> None:
+    """docs/operations.md's sample is a real run: the same checks, in the same order,
+    in the same layout, as the doctor prints for an app with Redis and no broker."""
+    page = (ROOT / "docs" / "operations.md").read_text()
+    sample = page.split("## What it prints", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    shown = re.findall(r"^(?:OK|WARN|FAIL) +(\S+(?: \S+)?)  ", sample, re.M)
+    with app_on(clean_db, IDEMPOTENCY_REDIS_URL=clean_redis) as app:
+        migrated(app)
+        code, output = doctor(app)
+    printed = re.findall(r"^(?:OK|WARN|FAIL) +(\S+(?: \S+)?)  ", output, re.M)
+    assert len(shown) == 15
+    assert [name.strip() for name in shown] == [name.strip() for name in printed]
+    assert re.search(r"^15 checks: \d+ ok, \d+ warn, \d+ fail$", sample, re.M)
+    assert re.search(r"^ +-> ", sample, re.M)  # a fix, under its problem

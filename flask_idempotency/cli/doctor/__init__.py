@@ -117,7 +117,7 @@ def lines(checks: list[Check]) -> list[str]:
     for check in checks:
         out.append(f"{check.status.upper():<4}  {check.name:<{width}}  {check.detail}")
         if check.fix and check.status != OK:
-            out.append(f"{'':<{width + 6}}-> {check.fix}")
+            out.append(f"{'':<{width + 8}}-> {check.fix}")
     counts = {status: sum(c.status == status for c in checks) for status in (OK, WARN, FAIL)}
     out.append(f"{len(checks)} checks: {counts[OK]} ok, {counts[WARN]} warn, {counts[FAIL]} fail")
     return out
