@@ -96,12 +96,18 @@ def test_the_config_files_environment_does_not_leak_into_the_doctor(
 
 
 def test_a_broken_config_file_fails_its_checks_not_the_doctor(
-    clean_db: str, tmp_path: Path
+    clean_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = conf(tmp_path, "threads = 1/0\n")
     with app_on(clean_db) as app:
         found = check(app, "pool", gunicorn_config=path)
-    assert found.status == FAIL and "ZeroDivisionError" in found.detail
+        assert found.status == FAIL and "ZeroDivisionError" in found.detail
+        conf(tmp_path, "import sys\nsys.exit(3)\n")
+        found = check(app, "pool", gunicorn_config=path)
+        assert found.status == FAIL and "exited (3) while being read" in found.detail
+        monkeypatch.setenv("GUNICORN_CMD_ARGS", "--no-such-option")
+        found = check(app, "pool")
+    assert found.status == FAIL and "GUNICORN_CMD_ARGS is not valid" in found.detail
 
 
 # -- leases --------------------------------------------------------------------------------

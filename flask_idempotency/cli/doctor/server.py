@@ -62,7 +62,10 @@ def read_gunicorn(path: str | None, environ: Mapping[str, str]) -> Gunicorn | No
     from gunicorn.config import Config  # only now: gunicorn is the app's, not ours
 
     cfg = Config()
-    parsed = {k: v for k, v in vars(cfg.parser().parse_args(shlex.split(env_args))).items()}
+    try:
+        parsed = vars(cfg.parser().parse_args(shlex.split(env_args)))
+    except SystemExit:  # argparse's way of saying "bad option": gunicorn would not start
+        raise ValueError(f"GUNICORN_CMD_ARGS is not valid for gunicorn: {env_args!r}") from None
     path = (
         path or parsed.get("config") or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None)
     )
@@ -102,6 +105,8 @@ def _run_config(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         namespace = runpy.run_path(path, run_name="__config__")
         return namespace, dict(os.environ)
+    except SystemExit as exc:  # a file that exits must not end the doctor
+        raise RuntimeError(f"{path} exited ({exc.code}) while being read") from None
     finally:
         os.environ.clear()
         os.environ.update(saved)
