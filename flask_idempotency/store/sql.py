@@ -304,6 +304,7 @@ def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:
         int.from_bytes(record_key[:8], "big", signed=True),
     )
 
+
 #: A background worker (``relay``, ``completer``) reports a run: one row per kind,
 #: the last report winning (``heartbeat.py``; ``flask idempotency doctor`` reads it).
 HEARTBEAT = """
