@@ -52,6 +52,7 @@ from .recovery import Abandoned, recoverable_routes
 from .route_options import RouteOptions
 from .state import RequestState, app_state, bound, unbind
 from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError, Taken
+from .store.heartbeat import Heartbeat
 from .store.request import PostgresRequest
 
 log = logging.getLogger("flask_idempotency.recovery")
@@ -101,6 +102,8 @@ class Recoverer:
         self.lease = self.state.settings.lease
         #: Every outcome so far, over all passes.
         self.totals: collections.Counter[RecoveryOutcome] = collections.Counter()
+        #: "The completer ran": what ``flask idempotency doctor`` reads to say it is alive.
+        self.heartbeat = Heartbeat(self.state.store, "completer")
 
     def run(
         self,
@@ -121,6 +124,7 @@ class Recoverer:
                     raise
                 log.warning("idempotency recover: store unavailable: %s", exc)
             else:
+                self.heartbeat.beat()
                 if outcomes and not once:
                     log.info("idempotency recover: %s", describe(outcomes))
             if once or stop.wait(interval):

@@ -133,16 +133,24 @@ class Abandoned:
             builder.close()
 
 
+def route_options_of(view: Any) -> RouteOptions | None:
+    """The options of an idempotent view (``None`` for any other view)."""
+    fn: Any = view
+    for _ in range(32):  # decorators above ours normally copy the attribute outwards
+        options = getattr(fn, ROUTE_ATTRIBUTE, None)
+        if isinstance(options, RouteOptions):
+            return options
+        if fn is None:
+            return None
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
 def recoverable_routes(app: Flask) -> dict[str, RouteOptions]:
     """Each endpoint of ``app`` whose idempotent view declares ``recover=``."""
     found: dict[str, RouteOptions] = {}
     for endpoint, view in app.view_functions.items():
-        fn: Any = view
-        for _ in range(32):  # decorators above ours normally copy the attribute outwards
-            options = getattr(fn, ROUTE_ATTRIBUTE, None)
-            if isinstance(options, RouteOptions) or fn is None:
-                break
-            fn = getattr(fn, "__wrapped__", None)
-        if isinstance(options, RouteOptions) and options.recover is not None:
+        options = route_options_of(view)
+        if options is not None and options.recover is not None:
             found[endpoint] = options
     return found

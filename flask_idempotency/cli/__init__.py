@@ -23,8 +23,9 @@ from .. import completer, keys
 from ..events import outbox
 from ..keys import parse_key, record_key
 from ..store.base import RecordInfo, StoreUnavailableError
-from .doctor import diagnose
+from .doctor import DEFAULT_STALE_AFTER, Options, diagnose
 from .doctor import document as diagnosis_document
+from .doctor import lines as diagnosis_lines
 from .output import echo_document, json_option
 from .progress import Progress, interval_option
 from .prompts import confirm, yes_option
@@ -450,22 +451,62 @@ def unlock(
     epilog="""\b
 Examples:
   flask --app example_app idempotency doctor
+  flask --app wsgi idempotency doctor --gunicorn-config gunicorn.conf.py --processor-timeout 10
   flask --app example_app idempotency doctor --json | jq '.checks[] | select(.status != "ok")'
 """
 )
+@click.option(
+    "--gunicorn-config",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="gunicorn's configuration file, to check the pool against its threads (default: "
+    "the one GUNICORN_CMD_ARGS names, else ./gunicorn.conf.py if there is one).",
+)
+@click.option(
+    "--processor-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="The longest a view waits on its downstream (say, the card processor's client "
+    "timeout): checked against the leases and TTLs.",
+)
+@click.option(
+    "--stale-after",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_STALE_AFTER,
+    show_default=True,
+    metavar="SECONDS",
+    help="Warn when the relay or the completer (where needed) has not run for this long.",
+)
 @json_option
-def doctor(as_json: bool) -> None:
-    """Check the set-up: PostgreSQL answers, every migration is applied, Redis and
-    the broker answer when configured, the pool's size. Says what to run or set
-    for each problem; exits 1 if a check fails."""
-    checks = diagnose(command_state())
+def doctor(
+    gunicorn_config: str | None,
+    processor_timeout: float | None,
+    stale_after: float,
+    as_json: bool,
+) -> None:
+    """Check the deployment before it goes live: one line per check, OK, WARN or
+    FAIL with what to run or set.
+
+    PostgreSQL (answers, schema current, PgBouncer and prepared statements,
+    session timeouts against the lease, autovacuum of the records table, clock
+    skew), the pool against gunicorn's threads, leases (renewal < lease < TTL,
+    per route), scopes of requests without credentials, Redis (answers,
+    eviction policy, memory), the broker, Prometheus' multiprocess directory,
+    and when the relay and the completer last ran. Exits 1 if a check fails.
+    """
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    options = Options(
+        gunicorn_config=gunicorn_config,
+        processor_timeout=processor_timeout,
+        stale_after=stale_after,
+    )
+    checks = diagnose(command_state(), app, options)
     result = diagnosis_document(checks)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        for check in checks:
-            click.echo(f"{check.status:<4}  {check.name:<14} {check.detail}")
-            if check.fix and check.status != "ok":
-                click.echo(f"{'':20}-> {check.fix}")
+        for line in diagnosis_lines(checks):
+            click.echo(line)
     if not result["ok"]:
         raise click.exceptions.Exit(1)

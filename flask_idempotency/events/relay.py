@@ -29,6 +29,7 @@ from flask import Flask
 
 from ..state import app_state
 from ..store.base import StoreUnavailableError
+from ..store.heartbeat import Heartbeat
 from . import outbox
 from .amqp import Backoff, BrokerUnavailable
 from .outbox import OutboxEvent
@@ -78,6 +79,8 @@ class Relay:
         self.poll_interval = poll_interval
         self.backoff = backoff or Backoff()
         self.stats = RelayStats()
+        #: "The relay ran": what ``flask idempotency doctor`` reads to say it is alive.
+        self.heartbeat = Heartbeat(store, "relay")
 
 
     @classmethod
@@ -142,6 +145,7 @@ class Relay:
                     stop.wait(delay)
                     continue
                 self.backoff.reset()
+                self.heartbeat.beat()
                 if taken and on_batch is not None:
                     on_batch(taken)
                 if taken == self.batch_size:

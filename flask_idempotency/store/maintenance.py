@@ -25,7 +25,9 @@ from .sql import (
     COUNT_EXPIRED,
     END_LEASE,
     FAIL_ATTEMPT,
+    HEARTBEAT,
     INFO,
+    LAST_RUNS,
     PASS_CUTOFF,
     PURGE_BATCH,
     RECOVERY_STATS,
@@ -212,3 +214,19 @@ class Maintenance:
     def release_claim(self, record_key: bytes, token: int) -> None:
         """Delete a record we hold, so the next delivery starts afresh."""
         self._run(RELEASE, (record_key, token))
+
+    # -- the background workers' heartbeats (``heartbeat.py``) and the doctor --------
+
+    def heartbeat(self, worker: str, seen_on: str) -> None:
+        """Record that a ``worker`` (``"relay"``, ``"completer"``) ran just now."""
+        self._run(HEARTBEAT, (worker, seen_on))
+
+    def last_runs(self) -> dict[str, tuple[float, str | None]]:
+        """Seconds since each kind of worker last reported (the server's clock), and
+        the ``host:pid`` that did."""
+        return {row[0]: (float(row[1]), row[2]) for row in self._run(LAST_RUNS).rows}
+
+    def read(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """The rows of a read-only query under the store's timeouts and deadline
+        (``flask idempotency doctor``'s look at the server's settings and statistics)."""
+        return self._run(sql, params).rows

@@ -38,6 +38,7 @@ TABLES = frozenset(
         "idempotency_records",
         "idempotency_outbox",
         "idempotency_recovery_totals",
+        "idempotency_heartbeats",
         "idempotency_schema_migrations",
     }
 )
@@ -47,7 +48,8 @@ TABLES = frozenset(
 # each overload is its own object. The ledger keeps the rows of an application's
 # IDEMPOTENCY_MIGRATION_DIRS files; drop_in_transaction() drops it once empty.
 DROP_SCHEMA = """
-DROP TABLE IF EXISTS idempotency_outbox, idempotency_recovery_totals, idempotency_records;
+DROP TABLE IF EXISTS idempotency_outbox, idempotency_recovery_totals, idempotency_heartbeats,
+    idempotency_records;
 DROP FUNCTION IF EXISTS
     idempotency_complete(bytea, bigint, smallint, jsonb, bytea),
     idempotency_checkpoint(bytea, bigint, text, jsonb),

@@ -303,3 +303,16 @@ def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:
         int.from_bytes(request[:8], "big", signed=True),
         int.from_bytes(record_key[:8], "big", signed=True),
     )
+
+
+#: A background worker (``relay``, ``completer``) reports a run: one row per kind,
+#: the last report winning (``heartbeat.py``; ``flask idempotency doctor`` reads it).
+HEARTBEAT = """
+INSERT INTO idempotency_heartbeats (worker, last_run_at, seen_on) VALUES (%s, now(), %s)
+ON CONFLICT (worker) DO UPDATE SET last_run_at = now(), seen_on = EXCLUDED.seen_on
+"""
+#: Seconds since each kind of worker last reported, by the server's clock.
+LAST_RUNS = """
+SELECT worker, extract(epoch FROM now() - last_run_at)::float8, seen_on
+  FROM idempotency_heartbeats
+"""

@@ -1,0 +1,98 @@
+"""What every check of ``flask idempotency doctor`` shares: its result, its inputs.
+
+A check is a function of a :class:`Context` that returns one :class:`Check`.
+The runner (``__init__.py``) times each and turns whatever one raises into a
+``fail`` line of its own, so a check that breaks never hides the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask
+
+from ...state import AppState
+from ...store.postgres import PostgresStore
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+#: Worst last: a check made of several findings reports the worst of them.
+SEVERITY = {OK: 0, WARN: 1, FAIL: 2}
+#: How long a background worker may stay silent before the doctor warns (seconds):
+#: the relay loops every half second and the completer every 10 s, each reporting
+#: at most every 30 s; a cron line running them every few minutes stays inside it.
+DEFAULT_STALE_AFTER = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    #: What to do about it (a command or a setting), when there is something to do.
+    fix: str | None = None
+    #: How long the check took, milliseconds.
+    ms: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the operator tells the doctor beyond the app's configuration."""
+
+    #: gunicorn's configuration file (``-c``); else the one ``GUNICORN_CMD_ARGS``
+    #: names, else ``./gunicorn.conf.py`` as gunicorn itself does.
+    gunicorn_config: str | None = None
+    #: The longest a view waits on its downstream (the processor's client timeout).
+    processor_timeout: float | None = None
+    stale_after: float = DEFAULT_STALE_AFTER
+    #: This machine's clock, compared with PostgreSQL's (tests shift it).
+    clock: Callable[[], float] = time.time
+
+
+@dataclasses.dataclass
+class Context:
+    """One diagnosis: the app, its extension state, the options, and what the
+    checks read once and share (gunicorn's settings)."""
+
+    app: Flask
+    state: AppState
+    options: Options
+    _cache: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: What the checks opened for themselves (a Redis client), closed at the end.
+    closers: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+    @property
+    def store(self) -> PostgresStore:
+        """The PostgreSQL store (the doctor never runs under ``memory://``:
+        ``cli.target.command_state`` answers for it)."""
+        return self.state.postgres_store("flask idempotency doctor")
+
+    def once(self, name: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``'s value (or exception), computed once for every check."""
+        if name not in self._cache:
+            try:
+                self._cache[name] = (True, compute())
+            except Exception as exc:
+                self._cache[name] = (False, exc)
+        ok, value = self._cache[name]
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        for close in self.closers:
+            try:
+                close()
+            except Exception:  # closing what a failed check left must not fail the report
+                pass
+
+
+def worst(statuses: list[str]) -> str:
+    return max(statuses, key=SEVERITY.__getitem__, default=OK)
+
+
+def seconds(value: float) -> str:
+    """``30 s``, ``1.5 s``, ``86400 s``: durations as the settings spell them."""
+    return f"{value:g} s"

@@ -1,0 +1,324 @@
+"""The doctor's checks of PostgreSQL: reachable, migrated, and set up for leases.
+
+Every query goes through the store (its pool, its connection parameters, its
+``SET LOCAL`` timeouts and deadline), so the doctor sees the server the app
+sees, PgBouncer included. The session settings are read as ``reset_val``:
+what a new session of this role in this database starts with, before any
+``SET LOCAL`` of ours.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ...store.base import StoreUnavailableError
+from ...store.diagnostics import AUTOVACUUM, SERVER_CLOCK, SERVER_SIDE, SESSION_TIMEOUTS
+from .base import FAIL, OK, WARN, Check, Context, seconds
+from .routes import longest_lease, shortest_lease
+
+#: Dead rows over this share of the records table: autovacuum is behind its churn.
+DEAD_SHARE = 0.2
+#: ... and over this many rows (a small table's share means nothing).
+DEAD_MIN = 10_000
+#: A table this large under a scale factor above ``LARGE_SCALE_FACTOR`` waits for
+#: that share of its rows to die before autovacuum comes: set a smaller one.
+LARGE_TABLE = 1_000_000
+LARGE_SCALE_FACTOR = 0.05
+#: The records table, as the fixes name it.
+RECORDS = "idempotency_records"
+#: Clock skew above which the doctor warns (seconds); above half the shortest
+#: lease it fails, since leases and TTLs are compared with the server's clock.
+SKEW_WARN = 1.0
+
+
+def database(ctx: Context) -> Check:
+    started = time.monotonic()
+    try:
+        ctx.store.ping()
+    except StoreUnavailableError as exc:
+        return Check(
+            "database",
+            FAIL,
+            f"PostgreSQL does not answer: {exc} (the checks that need it are skipped)",
+            "check IDEMPOTENCY_DATABASE_URL (or db's engine URL) and the server",
+        )
+    ms = (time.monotonic() - started) * 1000
+    return Check("database", OK, f"PostgreSQL answers ({ms:.0f} ms)")
+
+
+def schema(ctx: Context) -> Check:
+    state = ctx.state
+    try:
+        missing = state.store.pending_migrations(state.settings.migration_dirs)
+    except FileNotFoundError as exc:
+        return Check("schema", FAIL, str(exc), "fix IDEMPOTENCY_MIGRATION_DIRS")
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        return Check(
+            "schema",
+            FAIL,
+            f"{len(missing)} migration(s) not applied: {shown}",
+            "flask idempotency migrate (or upgrade_schema(op) in your Alembic history)",
+        )
+    return Check("schema", OK, "every migration is applied")
+
+
+# -- PgBouncer ---------------------------------------------------------------------
+
+
+def pgbouncer(ctx: Context) -> Check:
+    """PgBouncer (in transaction or statement mode) keeps no session's prepared
+    statements: the claim must not be prepared there
+    (``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"] = False``)."""
+    state = ctx.state
+    with ctx.store.autocommit() as conn:
+        client_port = int(getattr(conn.info, "port", 0) or 0)
+    server_port, dbname, _, version = ctx.store.read(SERVER_SIDE)[0]
+    prepare = state.settings.prepare_statements
+    if not client_port or client_port == server_port:
+        return Check(
+            "pgbouncer",
+            OK,
+            f"connected straight to PostgreSQL {version} (port {server_port}); prepared "
+            f"statements {'on' if prepare else 'off'}",
+        )
+    proxy = _ask_pgbouncer(ctx, dbname)
+    where = f"port {client_port} forwards to PostgreSQL's port {server_port}"
+    if proxy is None:
+        if not prepare:
+            return Check("pgbouncer", OK, f"{where} (a pooler?); prepared statements off")
+        return Check(
+            "pgbouncer",
+            WARN,
+            f"{where}: a pooler (PgBouncer?) or a port mapping; its admin console did not "
+            "answer, so its pool mode is unknown, and prepared statements are on",
+            'unless it pools by session, set IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]'
+            " = False",
+        )
+    name, mode = proxy
+    if mode == "session" or not prepare:
+        return Check(
+            "pgbouncer",
+            OK,
+            f"{name} in {mode or 'an unknown'} mode ({where}); prepared statements "
+            f"{'on' if prepare else 'off'}",
+        )
+    return Check(
+        "pgbouncer",
+        FAIL if mode in ("transaction", "statement") else WARN,
+        f"{name} in {mode or 'an unknown'} mode ({where}) with prepared statements on: "
+        "a claim's next transaction may run on a server connection that never saw its "
+        "PREPARE",
+        'set IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"] = False',
+    )
+
+
+def _ask_pgbouncer(ctx: Context, dbname: str) -> tuple[str, str | None] | None:
+    """``(version, pool mode)`` from PgBouncer's admin console on the app's host
+    and port (``SHOW VERSION``, ``SHOW DATABASES``, ``SHOW CONFIG``); ``None`` when
+    nothing there answers as PgBouncer (or the app's role may not ask)."""
+    settings = ctx.state.settings
+    if settings.database_url is None:
+        return None
+    import psycopg2
+
+    try:
+        conn = psycopg2.connect(
+            settings.database_url, dbname="pgbouncer", connect_timeout=settings.connect_timeout
+        )
+    except psycopg2.Error:
+        return None
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("SHOW VERSION")
+            version = str(cur.fetchone()[0])  # type: ignore[index]
+            if "pgbouncer" not in version.lower():
+                return None
+            mode = None
+            for row in _rows(cur, "SHOW DATABASES"):
+                if row.get("name") == dbname and row.get("pool_mode"):
+                    mode = str(row["pool_mode"])
+            if mode is None:
+                for row in _rows(cur, "SHOW CONFIG"):
+                    if row.get("key") == "pool_mode":
+                        mode = str(row.get("value"))
+            return version, mode
+    except psycopg2.Error:
+        return None
+    finally:
+        conn.close()
+
+
+def _rows(cur: Any, sql: str) -> list[dict[str, Any]]:
+    try:
+        cur.execute(sql)
+    except Exception:
+        return []
+    names = [column.name for column in cur.description or ()]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+# -- session timeouts --------------------------------------------------------------
+
+
+def session_timeouts(ctx: Context) -> Check:
+    """Server-side timeouts that end a request before its lease does.
+
+    A view holds its transaction open while it waits on the processor, as long
+    as its lease allows: ``idle_in_transaction_session_timeout`` shorter than
+    that kills the session, and the attempt with it (fail). A
+    ``statement_timeout`` shorter than the lease cancels a view's slow statement
+    the lease would have covered (warn), and an ``idle_session_timeout`` shorter
+    than the renewal interval closes the lease keeper's connection between two
+    renewals (warn). The extension's own statements set theirs with ``SET LOCAL``.
+    """
+    settings = ctx.state.settings
+    lease_ms = longest_lease(ctx) * 1000
+    found = {row[0]: (int(row[1]), row[2]) for row in ctx.store.read(SESSION_TIMEOUTS)}
+    findings: list[tuple[str, str, str]] = []
+
+    def where(name: str) -> str:
+        source = found[name][1]
+        return f" (set by {source})" if source else ""
+
+    def fix(name: str, above_ms: float) -> str:
+        source = found[name][1] or "ALTER ROLE <the app's role>"
+        return f"{source.split(',')[0]} SET {name} = '{above_ms / 1000:g}s' (or RESET it)"
+
+    idle_tx = found.get("idle_in_transaction_session_timeout", (0, None))[0]
+    if 0 < idle_tx < lease_ms:
+        findings.append(
+            (
+                FAIL,
+                f"idle_in_transaction_session_timeout {idle_tx / 1000:g} s"
+                f"{where('idle_in_transaction_session_timeout')} "
+                f"is shorter than the lease ({lease_ms / 1000:g} s): a view waiting on its "
+                "processor inside its transaction is disconnected, its work lost",
+                fix("idle_in_transaction_session_timeout", lease_ms * 2),
+            )
+        )
+    statement = found.get("statement_timeout", (0, None))[0]
+    if 0 < statement < lease_ms:
+        findings.append(
+            (
+                WARN,
+                f"statement_timeout {statement / 1000:g} s{where('statement_timeout')} is "
+                f"shorter than the lease ({lease_ms / 1000:g} s): a view's statement is "
+                "cancelled before its lease ends",
+                fix("statement_timeout", lease_ms),
+            )
+        )
+    idle = found.get("idle_session_timeout", (0, None))[0]
+    renew_ms = settings.renew_interval * 1000
+    if 0 < idle <= renew_ms:
+        findings.append(
+            (
+                WARN,
+                f"idle_session_timeout {idle / 1000:g} s{where('idle_session_timeout')} is not "
+                f"longer than the renewal interval ({renew_ms / 1000:g} s): the lease keeper's "
+                "connection is closed between renewals",
+                fix("idle_session_timeout", renew_ms * 3),
+            )
+        )
+    if findings:
+        status = FAIL if any(f[0] == FAIL for f in findings) else WARN
+        shown = [f for f in findings if f[0] == status]
+        return Check("session timeouts", status, "; ".join(f[1] for f in shown), shown[0][2])
+    values = ", ".join(
+        f"{name} {'off' if not found.get(name, (0,))[0] else seconds(found[name][0] / 1000)}"
+        for name in ("statement_timeout", "idle_in_transaction_session_timeout")
+    )
+    return Check("session timeouts", OK, f"{values}: none ends a lease early")
+
+
+# -- autovacuum ----------------------------------------------------------------------
+
+
+def autovacuum(ctx: Context) -> Check:
+    """Every request inserts and updates a record and purge deletes them: the
+    records table churns, and its dead rows must be vacuumed away as fast."""
+    rows = ctx.store.read(AUTOVACUUM)
+    if not rows:
+        return Check(
+            "autovacuum", WARN, "no idempotency_records table yet", "flask idempotency migrate"
+        )
+    reloptions, live, dead, server_on, counts_on, scale, threshold, since = rows[0]
+    options = dict(str(o).split("=", 1) for o in reloptions or ())
+    scale = float(options.get("autovacuum_vacuum_scale_factor", scale))
+    threshold = int(options.get("autovacuum_vacuum_threshold", threshold))
+    table_on = options.get("autovacuum_enabled", "true").lower() not in ("false", "off", "0")
+    if not (server_on and counts_on and table_on):
+        what = (
+            "autovacuum_enabled = false on idempotency_records"
+            if not table_on
+            else "autovacuum (or track_counts) is off on the server"
+        )
+        return Check(
+            "autovacuum",
+            FAIL,
+            f"{what}: the dead rows every request and purge leave are never vacuumed "
+            "(the table and its index bloat, claims slow down)",
+            f"ALTER TABLE {RECORDS} RESET (autovacuum_enabled)"
+            if not table_on
+            else "autovacuum = on and track_counts = on in postgresql.conf",
+        )
+    figures = f"{live} live, {dead} dead row(s)"
+    last = f", last vacuumed {since:.0f} s ago" if since is not None else ""
+    if dead > DEAD_MIN and dead > DEAD_SHARE * (live + dead):
+        return Check(
+            "autovacuum",
+            WARN,
+            f"{figures}{last}: autovacuum is behind the table's churn (trigger: "
+            f"{threshold} + {scale:g} x live rows)",
+            f"ALTER TABLE {RECORDS} SET (autovacuum_vacuum_scale_factor = 0.01, "
+            "autovacuum_vacuum_threshold = 1000); look for long transactions holding back vacuum",
+        )
+    if live > LARGE_TABLE and scale > LARGE_SCALE_FACTOR:
+        return Check(
+            "autovacuum",
+            WARN,
+            f"{figures}: with autovacuum_vacuum_scale_factor {scale:g}, "
+            f"{int(live * scale)} rows die before autovacuum comes",
+            f"ALTER TABLE {RECORDS} SET (autovacuum_vacuum_scale_factor = 0.01)",
+        )
+    return Check(
+        "autovacuum", OK, f"{figures}{last}; vacuumed after {threshold} + {scale:g} x live rows"
+    )
+
+
+# -- clocks ----------------------------------------------------------------------------
+
+
+def clock(ctx: Context) -> Check:
+    """This machine's clock against PostgreSQL's, halfway through one round trip.
+
+    Leases and TTLs are decided by the server's clock alone, but an app whose
+    clock is off reads ages and ``Retry-After`` wrong, and logs that cannot be
+    lined up with the server's; past half a lease it is a broken host."""
+    now = ctx.options.clock
+    before = now()
+    server = float(ctx.store.read(SERVER_CLOCK)[0][0])
+    after = now()
+    skew = server - (before + after) / 2
+    rtt = after - before
+    figures = (
+        f"{abs(skew):.3f} s {'behind' if skew > 0 else 'ahead of'} PostgreSQL (± {rtt / 2:.3f} s)"
+    )
+    limit = shortest_lease(ctx) / 2
+    if abs(skew) - rtt / 2 > limit:
+        return Check(
+            "clock",
+            FAIL,
+            f"this machine is {figures}: more than half the shortest lease ({limit:g} s)",
+            "run NTP (chrony, systemd-timesyncd) on the app's hosts and the database's",
+        )
+    if abs(skew) - rtt / 2 > SKEW_WARN:
+        return Check(
+            "clock",
+            WARN,
+            f"this machine is {figures}",
+            "run NTP (chrony, systemd-timesyncd) on the app's hosts and the database's",
+        )
+    return Check("clock", OK, f"this machine is {figures}")

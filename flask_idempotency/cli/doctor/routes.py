@@ -1,0 +1,196 @@
+"""The doctor's checks of what the routes declare: their leases and their scopes.
+
+The routes are found the way ``flask idempotency recover`` finds them: each
+view of the app's ``url_map`` that carries the decorator's options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ...errors import ScopeUnavailable
+from ...keys import resolve_scope
+from ...recovery import route_options_of
+from ...route_options import RouteOptions, check_against_settings
+from ...scopes import global_scope
+from ...store.sql import CLIENT_DEADLINE_GRACE
+from .base import FAIL, OK, WARN, Check, Context, seconds, worst
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    endpoint: str
+    #: ``POST /pay``: how the messages name it.
+    label: str
+    path: str
+    method: str
+    options: RouteOptions
+
+
+def idempotent_routes(ctx: Context) -> list[Route]:
+    def find() -> list[Route]:
+        found = []
+        for rule in ctx.app.url_map.iter_rules():
+            options = route_options_of(ctx.app.view_functions.get(rule.endpoint))
+            if options is None:
+                continue
+            methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}) or ["GET"]
+            path = rule.rule if not rule.arguments else "/"
+            label = f"{'|'.join(methods)} {rule.rule}"
+            found.append(Route(rule.endpoint, label, path, methods[0], options))
+        return found
+
+    routes: list[Route] = ctx.once("routes", find)
+    return routes
+
+
+def longest_lease(ctx: Context) -> float:
+    """The longest lease any route runs with (the app's, or a route's own)."""
+    settings = ctx.state.settings
+    return max(
+        [settings.lease, *(r.options.effective(settings).lease for r in idempotent_routes(ctx))]
+    )
+
+
+def shortest_lease(ctx: Context) -> float:
+    settings = ctx.state.settings
+    return min(
+        [settings.lease, *(r.options.effective(settings).lease for r in idempotent_routes(ctx))]
+    )
+
+
+def lease(ctx: Context) -> Check:
+    """renewal interval < lease <= TTL, app-wide and per route; a renewal that takes
+    its whole deadline still lands inside the lease; the processor's timeout fits."""
+    settings = ctx.state.settings
+    renew = settings.renew_interval
+    deadline = settings.statement_timeout + CLIENT_DEADLINE_GRACE
+    processor = ctx.options.processor_timeout
+    findings: list[tuple[str, str, str]] = []
+    scopes: list[tuple[str, float, float]] = [("the app", settings.lease, settings.ttl)]
+    for route in idempotent_routes(ctx):
+        try:
+            effective = check_against_settings(route.options, settings)
+        except ValueError as exc:
+            findings.append((FAIL, f"{route.label}: {exc}", "fix the route's lease= / ttl="))
+            continue
+        scopes.append((route.label, effective.lease, effective.ttl))
+    for where, lease_s, ttl in scopes:
+        if renew > 0 and renew + deadline >= lease_s:
+            findings.append(
+                (
+                    WARN,
+                    f"{where}: lease {seconds(lease_s)} but a renewal may start "
+                    f"{seconds(renew)} after the last and take {seconds(deadline)} (statement "
+                    "timeout + 1 s): on a slow database the lease lapses between renewals",
+                    "raise the lease, or lower IDEMPOTENCY_LEASE_RENEW_INTERVAL",
+                )
+            )
+        if processor is not None and renew == 0 and lease_s <= processor:
+            findings.append(
+                (
+                    FAIL,
+                    f"{where}: lease {seconds(lease_s)} is not renewed and a view may wait "
+                    f"{seconds(processor)} on the processor: a retry takes the record over "
+                    "while the first attempt still runs (the processor is called twice)",
+                    f"raise the lease above {seconds(processor)}, or turn renewal back on",
+                )
+            )
+        if processor is not None and ttl <= processor:
+            findings.append(
+                (
+                    FAIL,
+                    f"{where}: TTL {seconds(ttl)} is not longer than the processor timeout "
+                    f"{seconds(processor)}: purge may delete a record whose view still runs",
+                    f"raise the TTL well above {seconds(processor)}",
+                )
+            )
+    if findings:
+        status = worst([f[0] for f in findings])
+        shown = [f for f in findings if f[0] == status]
+        detail = "; ".join(f[1] for f in shown)
+        return Check("lease", status, detail, shown[0][2])
+    renewal = f"renewed every {seconds(renew)}" if renew > 0 else "never renewed"
+    routes = len(scopes) - 1
+    leases = sorted({s[1] for s in scopes})
+    spread = (
+        seconds(leases[0]) if len(leases) == 1 else f"{seconds(leases[0])} to {seconds(leases[-1])}"
+    )
+    processor_note = f", processor timeout {seconds(processor)}" if processor is not None else ""
+    return Check(
+        "lease",
+        OK,
+        f"lease {spread} ({renewal}) < TTL over the app and {routes} route(s){processor_note}",
+    )
+
+
+def scope(ctx: Context) -> Check:
+    """Does a request that carries no credentials get a scope of its own?
+
+    The doctor asks each route's scope function about a request with no
+    ``Authorization`` header and no cookie, built from the route's URL (no
+    ``before_request`` hook runs). ``None`` (or ``ScopeUnavailable``) is right:
+    such a request is refused, ``400 missing_scope``. A scope means every caller
+    without credentials shares one set of records, and one is replayed another's
+    answer: chosen explicitly with ``global_scope`` (one-principal apps) that is
+    a warning, from any other function it is a failure.
+    """
+    settings = ctx.state.settings
+    pooled_global: list[str] = []
+    pooled: list[str] = []
+    unknown: list[str] = []
+    routes = idempotent_routes(ctx)
+    # No decorated route yet (blueprints registered later?): judge the app's setting.
+    candidates = routes or [Route("", "IDEMPOTENCY_SCOPE_FUNC", "/", "POST", _APP_WIDE)]
+    for route in candidates:
+        func = route.options.scope_func or settings.scope_func
+        outcome = _anonymous_scope(ctx, route, func)
+        if outcome is _UNKNOWN:
+            unknown.append(route.label)
+        elif outcome is not None:
+            (pooled_global if func is global_scope else pooled).append(route.label)
+    if pooled:
+        return Check(
+            "scope",
+            FAIL,
+            f"a request without credentials gets a scope on {_some(pooled)}: callers "
+            "who send none share one set of records and can be replayed each other's answers",
+            "make the scope function return None when the request names no principal "
+            "(docs: Scoping)",
+        )
+    if pooled_global:
+        return Check(
+            "scope",
+            WARN,
+            f"global_scope on {_some(pooled_global)}: every caller shares one scope, "
+            "right only for an app with a single principal",
+            "set IDEMPOTENCY_SCOPE_FUNC to one naming your principals (user_scope(...)) "
+            "unless one client calls this app",
+        )
+    detail = (
+        f"requests without credentials are refused (400 missing_scope) on {len(routes)} route(s)"
+    )
+    if unknown:
+        detail += f"; {len(unknown)} scope function(s) need more than headers to tell"
+    return Check("scope", OK, detail)
+
+
+_UNKNOWN: Any = object()
+_APP_WIDE = RouteOptions(required=True)
+
+
+def _anonymous_scope(ctx: Context, route: Route, func: Any) -> Any:
+    with ctx.app.test_request_context(route.path, method=route.method):
+        from flask import request
+
+        try:
+            return resolve_scope(func, request)
+        except ScopeUnavailable:
+            return None
+        except Exception:  # the function needs what only a real request has
+            return _UNKNOWN
+
+
+def _some(labels: list[str]) -> str:
+    return ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")

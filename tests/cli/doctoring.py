@@ -1,0 +1,63 @@
+"""Helpers of the doctor's tests: an app, its diagnosis by check name, SQL as postgres."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg2
+from flask import Flask
+
+from flask_idempotency import Idempotency, global_scope
+from flask_idempotency.cli.doctor import Check, Options, diagnose
+
+
+def make_app(database_url: str, **config: Any) -> Flask:
+    app = Flask(__name__)
+    app.config.update(IDEMPOTENCY_DATABASE_URL=database_url, IDEMPOTENCY_SCOPE_FUNC=global_scope)
+    app.config.update(config)
+    Idempotency(app)
+    return app
+
+
+@contextmanager
+def app_on(database_url: str, **config: Any) -> Iterator[Flask]:
+    app = make_app(database_url, **config)
+    try:
+        yield app
+    finally:
+        app.extensions["idempotency"].close()
+
+
+def checks(app: Flask, **options: Any) -> dict[str, Check]:
+    """The diagnosis of ``app`` by check name (``options``: the doctor's :class:`Options`)."""
+    with app.app_context():
+        found = diagnose(app.extensions["idempotency"], app, Options(**options))
+    return {check.name: check for check in found}
+
+
+def check(app: Flask, name: str, **options: Any) -> Check:
+    return checks(app, **options)[name]
+
+
+def doctor(app: Flask, *args: str) -> tuple[int, str]:
+    result = app.test_cli_runner().invoke(args=["idempotency", "doctor", *args])
+    return result.exit_code, result.output
+
+
+def sql(database_url: str, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+    conn = psycopg2.connect(database_url)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(statement, params)
+            return cur.fetchall() if cur.description else []
+    finally:
+        conn.close()
+
+
+def migrated(app: Flask) -> Flask:
+    state = app.extensions["idempotency"]
+    state.store.migrate(state.settings.migration_dirs)
+    return app
