@@ -13,6 +13,8 @@ from .errors import (
     MissingKey,
     RequestInProgress,
     ResponseTooLarge,
+    SchemaMissing,
+    SchemaOutdated,
     ScopeUnavailable,
     StoreUnavailable,
 )
@@ -38,6 +40,8 @@ __all__ = [
     "MissingKey",
     "RequestInProgress",
     "ResponseTooLarge",
+    "SchemaMissing",
+    "SchemaOutdated",
     "ScopeUnavailable",
     "Settings",
     "StoreUnavailable",

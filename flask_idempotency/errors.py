@@ -12,7 +12,7 @@ from typing import Any
 from werkzeug.exceptions import HTTPException
 
 from .state import current_profile, current_retry_after
-from .store.base import StoreUnavailableError
+from .store.base import SchemaMismatchError, StoreUnavailableError
 
 
 class IdempotencyError(HTTPException):
@@ -161,6 +161,59 @@ class StoreUnavailable(IdempotencyError, StoreUnavailableError):
         super().__init__(description, retry_after=retry_after)
         if retry_after is None:
             self.retry_after = current_retry_after()
+
+
+class SchemaMissing(IdempotencyError, SchemaMismatchError):
+    """The database answers but has no idempotency tables: ``flask idempotency
+    migrate`` (or the Alembic revision) was never run. Fail closed.
+
+    A ``500`` without ``Retry-After``, not the outage's ``503``: the server is
+    misconfigured, and a client retrying the same request cannot change that (a
+    payments client stops and alerts on a 500 it does not know, rather than
+    retrying for ever). The view never runs. It is also a ``StoreUnavailableError``,
+    so code that catches that around ``idempotency.ping()`` still fails closed.
+    """
+
+    code = 500
+    title = "Idempotency schema missing"
+    error_code = "schema_missing"
+    description = (
+        "The server's idempotency store is not set up (its schema is missing); "
+        "the request was not processed."
+    )
+
+    def __init__(self, description: str | None = None, *, detail: str = "") -> None:
+        IdempotencyError.__init__(self, description)
+        self.missing = True
+        #: What the operator needs (the missing object and the command); for logs
+        #: and ``except`` clauses, never sent to the client.
+        self.detail = detail
+
+
+class SchemaOutdated(SchemaMissing):
+    """The idempotency schema is older than the installed flask-idempotency (a new
+    release's migration not applied): ``500`` ``schema_outdated``, as above."""
+
+    title = "Idempotency schema outdated"
+    error_code = "schema_outdated"
+    description = (
+        "The server's idempotency store has an outdated schema; the request was not processed."
+    )
+
+    def __init__(self, description: str | None = None, *, detail: str = "") -> None:
+        super().__init__(description, detail=detail)
+        self.missing = False
+
+
+def from_store_error(exc: StoreUnavailableError, retry_after: int) -> IdempotencyError:
+    """The answer for a store failure: a schema problem is named (``500``, no
+    ``Retry-After``), anything else is the outage's ``503 store_unavailable``."""
+    if isinstance(exc, SchemaMissing):
+        return exc
+    if isinstance(exc, SchemaMismatchError):
+        cls = SchemaMissing if exc.missing else SchemaOutdated
+        return cls(detail=exc.detail)
+    return StoreUnavailable(retry_after=retry_after)
 
 
 #: ``assert_idempotent(atomicity_drill=True)`` sends it to fail an attempt after its

@@ -23,7 +23,7 @@ from flask.cli import AppGroup
 from . import keys, phases, runtime
 from .cache import cache_from_settings
 from .decorators import RouteDecorator
-from .errors import StoreUnavailable
+from .errors import StoreUnavailable, from_store_error
 from .events import outbox
 from .lease import LeaseKeeper
 from .metrics import Metrics
@@ -155,6 +155,8 @@ class Idempotency:
                     "idempotency: PostgreSQL unreachable at start (%s); migrating once it answers",
                     exc,
                 )
+        else:
+            _check_schema(store)
 
     # -- decorators ---------------------------------------------------------
 
@@ -279,14 +281,20 @@ class Idempotency:
         return app_state().metrics.snapshot()
 
     def ping(self) -> None:
-        """Check that PostgreSQL answers, under the extension's own timeouts: for a
-        health check. Raises :class:`~flask_idempotency.StoreUnavailable` (a 503
-        with ``Retry-After`` if it reaches Flask) when it does not."""
+        """Check that PostgreSQL answers, under the extension's own timeouts, and has
+        the extension's schema: for a health check. Raises
+        :class:`~flask_idempotency.StoreUnavailable` (a 503 with ``Retry-After`` if
+        it reaches Flask) when it does not answer, and
+        :class:`~flask_idempotency.SchemaMissing` (``500 schema_missing``, or its
+        subclass ``SchemaOutdated``, no ``Retry-After``) when ``flask idempotency
+        migrate`` is still to run: a deployment step to take, not an outage to
+        wait out."""
         state = app_state()
         try:
             state.store.ping()
+            state.store.schema.ensure()
         except StoreUnavailableError as exc:
-            raise StoreUnavailable(retry_after=state.settings.retry_after) from exc
+            raise from_store_error(exc, state.settings.retry_after) from exc
 
     @property
     def state(self) -> AppState:
@@ -298,6 +306,16 @@ class Idempotency:
             stacklevel=2,
         )
         return app_state()
+
+
+def _check_schema(store: PostgresStore) -> None:
+    """Name a forgotten ``migrate`` at start-up, where the database answers (one
+    small query; ``schema.py`` logs the problem). Where it does not, the first
+    request that reaches it reads the ledger instead."""
+    try:
+        store.schema.check()
+    except StoreUnavailableError as exc:
+        log.warning("idempotency: schema not checked at start, PostgreSQL failed (%s)", exc)
 
 
 #: Names this module had before the state moved to ``state.py``: old -> new home.

@@ -42,6 +42,8 @@ NAMES = (
     "key_reused",  # 422
     "lease_lost",  # 409: our completion was fenced off after a takeover
     "store_unavailable",  # 503: PostgreSQL failed, fail closed
+    "schema_missing",  # 500: the database has no idempotency schema (never migrated)
+    "schema_outdated",  # 500: a migration of this release is not applied
     "not_storable",  # 500: answer too large to store under oversize="reject"
     "takeovers",  # claims that took over a dead holder's record (also in "executed")
     "invalid_key",  # 400

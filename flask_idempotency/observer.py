@@ -55,6 +55,11 @@ class RequestOutcome(str, enum.Enum):
     #: 503: PostgreSQL failed or did not answer; the view did not run, or its
     #: attempt was rolled back.
     STORE_UNAVAILABLE = "store_unavailable"
+    #: 500: the database has no idempotency schema (``flask idempotency migrate``
+    #: was never run); the view did not run, or its attempt was rolled back.
+    SCHEMA_MISSING = "schema_missing"
+    #: 500: the schema is older than the installed release (a migration not applied).
+    SCHEMA_OUTDATED = "schema_outdated"
     #: 500: an answer that would have been stored could not be (too large under
     #: ``oversize="reject"``); rolled back.
     NOT_STORABLE = "not_storable"

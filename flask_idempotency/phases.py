@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import engine, keys
-from .errors import LeaseLost, StoreUnavailable
+from .errors import LeaseLost, from_store_error
 from .store.base import LeaseLostError, StoreUnavailableError
 
 if TYPE_CHECKING:
@@ -92,6 +92,6 @@ def run(ctx: RequestState | None, name: str, step: Callable[[], T]) -> Any:
                 )
                 raise LeaseLost(retry_after=retry_after) from exc
             except StoreUnavailableError as exc:
-                raise StoreUnavailable(retry_after=retry_after) from exc
+                raise from_store_error(exc, retry_after) from exc
     ctx.phases[name] = recorded
     return recorded

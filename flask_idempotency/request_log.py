@@ -10,6 +10,9 @@ Levels follow what an on-call engineer acts on:
   running (``in_progress``), a key reused with another request, a takeover of a
   dead holder's record, a lease lost to such a takeover;
 - ``WARNING``: PostgreSQL failed and the request was refused (``store_unavailable``);
+  a request refused for a missing or outdated schema is ``INFO``: the store logs
+  that problem itself, once, as an ``ERROR`` naming the command that fixes it
+  (``flask_idempotency.store``), rather than once per request;
 - ``ERROR``: an answer that should have been stored could not be (``not_storable``).
 
 Each record carries the event's fields as ``extra`` attributes (``route``,
@@ -47,6 +50,8 @@ LEVELS: dict[RequestOutcome, int] = {
     RequestOutcome.KEY_REUSED: logging.INFO,
     RequestOutcome.LEASE_LOST: logging.INFO,
     RequestOutcome.STORE_UNAVAILABLE: logging.WARNING,
+    RequestOutcome.SCHEMA_MISSING: logging.INFO,
+    RequestOutcome.SCHEMA_OUTDATED: logging.INFO,
     RequestOutcome.NOT_STORABLE: logging.ERROR,
 }
 

@@ -28,7 +28,9 @@ from .errors import (
     LeaseLost,
     RequestInProgress,
     ResponseTooLarge,
+    SchemaMissing,
     StoreUnavailable,
+    from_store_error,
 )
 from .observer import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, RequestOutcome
 from .request_body import read_body
@@ -37,6 +39,7 @@ from .state import RequestState, app_state, bind, request_state, unbind
 from .store.base import (
     Existing,
     LeaseLostError,
+    SchemaMismatchError,
     StoredResponse,
     StoreUnavailableError,
 )
@@ -103,9 +106,9 @@ def run_view(
 
     try:
         state.migrate_if_pending()
+        state.store.schema.ensure()  # a missing schema: refused before any claim
     except StoreUnavailableError as exc:
-        record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
-        raise StoreUnavailable(retry_after=settings.retry_after) from exc
+        raise refusal(ctx, exc) from exc
     if options.recover is not None and settings.claim_mode == "row":
         ctx.recovery = recovery.capture(options, req)  # written by the claim itself
     ctx.tx = state.store.begin()
@@ -156,7 +159,7 @@ def _call_view(
     except BaseException as exc:
         ctx.raised = True
         ctx.own_error = isinstance(exc, IdempotencyError)
-        if isinstance(exc, (StoreUnavailable, LeaseLost)):  # else released, below
+        if isinstance(exc, (StoreUnavailable, LeaseLost, SchemaMissing)):  # else released
             record(ctx, RequestOutcome(exc.error_code), status=exc.code, error=exc.__cause__)
         release(ctx)
         raise
@@ -172,10 +175,24 @@ def _claim(ctx: RequestState, lease: float) -> tuple[flow.Decision, Existing | N
         try:
             decision, existing = engine.claim(ctx, lease, recovery=ctx.recovery)
         except StoreUnavailableError as exc:
-            record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
-            raise StoreUnavailable(retry_after=ctx.state.settings.retry_after) from exc
+            raise refusal(ctx, exc, observed=True) from exc
         phase.decided(decision, ctx.takeover)
     return decision, existing
+
+
+def refusal(
+    ctx: RequestState, exc: StoreUnavailableError, *, observed: bool = False
+) -> IdempotencyError:
+    """The answer to a store failure, recorded: a schema the database lacks is
+    named (``500 schema_missing`` / ``schema_outdated``, no ``Retry-After``),
+    anything else is an outage (``503 store_unavailable``). ``observed``: a
+    statement of this request found the schema wanting (rather than the store's
+    guard, which knew already), so the store refuses the next ones from memory."""
+    if observed and isinstance(exc, SchemaMismatchError):
+        ctx.state.store.schema.failed(exc)
+    error = from_store_error(exc, ctx.state.settings.retry_after)
+    record(ctx, RequestOutcome(error.error_code), status=error.code, error=exc)
+    return error
 
 
 def record(
@@ -295,8 +312,7 @@ def _settle_claim(ctx: RequestState, response: Response) -> Response:
         record(ctx, RequestOutcome.LEASE_LOST, status=LeaseLost.code)
         return _error_response(LeaseLost(retry_after=state.settings.retry_after))
     except StoreUnavailableError as exc:
-        record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
-        return _error_response(StoreUnavailable(retry_after=state.settings.retry_after))
+        return _error_response(refusal(ctx, exc, observed=True))
     record(ctx, RequestOutcome.EXECUTED, status=stored.status)
     if state.settings.redis_fill == "completion":
         # (With "replay" the copy is made by the first replay from PostgreSQL.)

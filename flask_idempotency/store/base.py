@@ -20,6 +20,23 @@ class StoreUnavailableError(Exception):
     """The database could not be reached or failed: the request must not run."""
 
 
+class SchemaMismatchError(StoreUnavailableError):
+    """The database answers but lacks the extension's schema, or part of it.
+
+    A skipped deployment step (``flask idempotency migrate``), not an outage:
+    retrying cannot help, so the Flask layer answers it as a non-retryable
+    ``500`` (``schema_missing`` / ``schema_outdated``), not ``503``. It is a
+    ``StoreUnavailableError`` so that every caller that fails closed on an
+    outage (the completer, the consumer, the CLI) fails closed on it too.
+    """
+
+    def __init__(self, detail: str = "", *, missing: bool = True) -> None:
+        super().__init__(detail)
+        #: No schema at all (never migrated), rather than an older one.
+        self.missing = missing
+        self.detail = detail
+
+
 class LeaseLostError(Exception):
     """Our claim was taken over after its lease expired: our completion is refused."""
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from . import driver, migrations
+from . import driver, migrations, schema
 from .base import LeaseHold, StoreUnavailableError
 from .errors import is_unreachable
 from .maintenance import Maintenance
@@ -76,6 +76,10 @@ class PostgresStore(Maintenance):
         # gone (or already there) corrects this and runs again.
         self._prepared: weakref.WeakSet[Connection] = weakref.WeakSet()
         self._renew_lock = threading.Lock()
+        self._migration_names = [name for name, _ in migrations.package_migrations()]
+        #: Whether the extension's schema is in place (``schema.py``): checked at
+        #: start-up, guarded before each claim.
+        self.schema = schema.SchemaWatch(self.inspect_schema)
 
     def claim_sql(self, conn: Connection) -> str:
         """The claim's text for this connection: prepared on first use if enabled."""
@@ -230,6 +234,19 @@ class PostgresStore(Maintenance):
                 raise StoreUnavailableError(f"renewal failed: {reason}") from error
             return count
 
+    def inspect_schema(self) -> schema.Problem | None:
+        """What the database lacks of the extension's own schema, read from the
+        migrations ledger under the extension's timeouts; ``None`` when it is in
+        place. ``StoreUnavailableError`` when PostgreSQL does not answer."""
+        with self.autocommit() as conn:
+            ticket = WATCHDOG.watch(conn, self.deadline)
+            try:
+                with self.driver.cursor(conn) as cur:
+                    return schema.inspect(cur, self._migration_names)
+            finally:
+                if WATCHDOG.unwatch(ticket):
+                    conn.close()
+
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         """The migrations this database has not applied (``flask idempotency doctor``)."""
         found = migrations.all_migrations(extra_dirs)
@@ -239,7 +256,9 @@ class PostgresStore(Maintenance):
     def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         found = migrations.all_migrations(extra_dirs)
         with self.autocommit() as conn:
-            return migrations.apply(conn, found)
+            applied = migrations.apply(conn, found)
+        self.schema.migrated()
+        return applied
 
     def close(self) -> None:
         with self._renew_lock:

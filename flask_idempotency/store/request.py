@@ -27,6 +27,7 @@ from .base import (
 from .driver import Driver, sqlstate
 from .errors import is_unreachable
 from .pool import Connection, Pool
+from .schema import mismatch
 from .sql import (
     BUMP_RECOVERY_TOTAL,
     CHECKPOINT,
@@ -62,6 +63,13 @@ class RequestStore(Protocol):
     def forget_prepared(self, conn: Connection) -> None: ...
 
 log = logging.getLogger("flask_idempotency.store")
+
+
+def answered(what: str, exc: BaseException) -> StoreUnavailableError:
+    """A statement the server answered with an error: a missing table, column or
+    function is a ``SchemaMismatchError`` (a skipped migrate, named as such), any
+    other a ``StoreUnavailableError``; the request fails closed either way."""
+    return mismatch(exc) or StoreUnavailableError(f"{what} failed: {type(exc).__name__}")
 
 
 class PostgresRequest:
@@ -239,7 +247,7 @@ class PostgresRequest:
                 self._rollback()
             if sqlstate(exc) == LEASE_LOST_SQLSTATE:
                 raise LeaseLostError() from exc
-            raise StoreUnavailableError(f"completion failed: {type(exc).__name__}") from exc
+            raise answered("completion", exc) from exc
         self._in_transaction = False
         self._claimed = None
 
@@ -264,7 +272,7 @@ class PostgresRequest:
                 self._rollback()
             if sqlstate(exc) == LEASE_LOST_SQLSTATE:
                 raise LeaseLostError() from exc
-            raise StoreUnavailableError(f"checkpoint failed: {type(exc).__name__}") from exc
+            raise answered("checkpoint", exc) from exc
         self.has_progress = True
 
     def count_recovered(self) -> None:
@@ -402,9 +410,9 @@ class RowClaimRequest(PostgresRequest):
                 if sqlstate(exc) == PREPARED_STATEMENT_EXISTS and not retried_prepare:
                     retried_prepare = True
                     continue  # already prepared on this session: now known, execute it
-                # The server answered (a statement or lock timeout, say): the
-                # connection is sound and goes back to the pool with the request.
-                raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
+                # The server answered (a statement or lock timeout, a missing table):
+                # the connection is sound and goes back to the pool with the request.
+                raise answered("claim", exc) from exc
             if row is None:
                 continue  # the row appeared or vanished concurrently; look again
             if row[0]:
@@ -455,7 +463,9 @@ class TransactionClaimRequest(PostgresRequest):
                 self._drop(peers=unreachable)
                 if unreachable and attempt == 0 and not self._unresponsive:
                     continue  # a stale pooled connection: once more on a fresh one
-                raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
+                if unreachable:
+                    raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
+                raise answered("claim", exc) from exc
         self._in_transaction = True
         if row is None:
             self._claimed = (fingerprint, ttl)
