@@ -34,7 +34,7 @@ from example_app.processor_client import (
     ProcessorUnavailable,
 )
 from example_app.schemas import ChargeRequest, load_charge_request, load_customer_query
-from flask_idempotency import Abandoned, StoreUnavailable
+from flask_idempotency import Abandoned, SchemaMissing, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -244,9 +244,13 @@ def list_charges() -> Response:
 
 @bp.get("/healthz")
 def healthz() -> Response | tuple[Response, int, dict[str, str]]:
-    """Up when PostgreSQL answers: without it no charge can be taken (fail closed)."""
+    """Up when PostgreSQL answers with the extension's schema: without it no charge
+    can be taken (fail closed). A missing schema is a deployment step to take, not
+    an outage to wait out: 500 and no Retry-After."""
     try:
         idempotency.ping()
+    except SchemaMissing as exc:  # and SchemaOutdated
+        return jsonify({"status": "misconfigured", "postgres": exc.error_code}), 500, {}
     except StoreUnavailable as exc:
         body = {"status": "unavailable", "postgres": "unreachable"}
         return jsonify(body), 503, {"Retry-After": str(exc.retry_after)}

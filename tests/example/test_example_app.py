@@ -424,6 +424,28 @@ def test_healthz(client: FlaskClient) -> None:
     assert response.get_json()["status"] == "ok"
 
 
+def test_healthz_names_a_forgotten_migrate(
+    fresh_database_url: str, processor: FakeProcessor
+) -> None:
+    app = create_app(
+        {
+            "TESTING": True,
+            "DATABASE_URL": fresh_database_url,
+            "REDIS_URL": None,
+            "PROCESSOR_URL": None,
+            "PROCESSOR_CLIENT": InProcessProcessorClient(processor, 2.0),
+            "IDEMPOTENCY_AUTO_MIGRATE": False,
+        }
+    )
+    try:
+        response = app.test_client().get("/healthz")
+        assert response.status_code == 500
+        assert "Retry-After" not in response.headers
+        assert response.get_json() == {"status": "misconfigured", "postgres": "schema_missing"}
+    finally:
+        app.extensions["idempotency"].close()
+
+
 # -- PostgreSQL down ----------------------------------------------------------------
 
 

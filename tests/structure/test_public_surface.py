@@ -28,6 +28,8 @@ PUBLIC = {
         "NOT_STORED_STATUSES",
         "RequestInProgress",
         "ResponseTooLarge",
+        "SchemaMissing",
+        "SchemaOutdated",
         "ScopeUnavailable",
         "Settings",
         "StoreUnavailable",

@@ -14,6 +14,7 @@ from typing import Any
 
 from ...store.base import StoreUnavailableError
 from ...store.diagnostics import AUTOVACUUM, SERVER_CLOCK, SERVER_SIDE, SESSION_TIMEOUTS
+from ...store.schema import FIX
 from .base import FAIL, OK, WARN, Check, Context, seconds
 from .routes import longest_lease, shortest_lease
 
@@ -59,7 +60,7 @@ def schema(ctx: Context) -> Check:
             "schema",
             FAIL,
             f"{len(missing)} migration(s) not applied: {shown}",
-            "flask idempotency migrate (or upgrade_schema(op) in your Alembic history)",
+            FIX,  # the words of the ERROR that requests log (store/schema.py)
         )
     return Check("schema", OK, "every migration is applied")
 
