@@ -90,18 +90,20 @@ def test_a_raise_rolls_back_and_frees_the_key(make_app: MakeApp, database_url: s
     assert app.extensions["idempotency"].keeper.held() == []
 
 
-def test_a_schema_without_the_read_only_check_answers_503_and_runs_nothing(
+def test_a_schema_without_the_read_only_check_is_named_and_runs_nothing(
     make_app: MakeApp, database_url: str
 ) -> None:
     """Code that relies on migration 0007's check, on a schema that lacks it (the
-    migration not run before a deploy), refuses to claim rather than claim unchecked."""
+    migration not run before a deploy), refuses to claim rather than claim unchecked,
+    and says why: 500 schema_outdated, not an outage's 503 (test_schema_missing.py)."""
     app = make_app(**TRANSACTION)  # migrated: the function exists
     sql(database_url, "DROP FUNCTION idempotency_claim_in_transaction_rw(bytea, bigint, bigint)")
     try:
         client = app.test_client()
         answer = client.post("/charges", json={}, headers={"Idempotency-Key": "tx-unmigrated"})
-        assert answer.status_code == 503
-        assert answer.get_json()["error"]["code"] == "store_unavailable"
+        assert answer.status_code == 500
+        assert answer.get_json()["error"]["code"] == "schema_outdated"
+        assert "Retry-After" not in answer.headers
         assert app.extensions["runs"] == []
         assert sql(database_url, "SELECT count(*) FROM idempotency_records") == [(0,)]
     finally:
