@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from flask import Flask
-from flask.cli import AppGroup
+from flask.cli import AppGroup, FlaskGroup
 
 from . import keys, phases, runtime
 from .cache import cache_from_settings
@@ -311,7 +311,16 @@ class Idempotency:
 def _check_schema(store: PostgresStore) -> None:
     """Name a forgotten ``migrate`` at start-up, where the database answers (one
     small query; ``schema.py`` logs the problem). Where it does not, the first
-    request that reaches it reads the ledger instead."""
+    request that reaches it reads the ledger instead.
+
+    Not when the ``flask`` command loads the app to find one of its commands
+    (``flask idempotency migrate``, ``flask db upgrade``): those are how the
+    schema gets made, and an ERROR before them would name the very command
+    being run. ``flask run`` and ``flask shell`` load it from their own command.
+    """
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and isinstance(ctx.command, FlaskGroup):
+        return
     try:
         store.schema.check()
     except StoreUnavailableError as exc:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg2
@@ -325,3 +329,31 @@ def test_a_known_problem_is_read_again_only_every_few_seconds() -> None:
     watch.guard()
     assert len(reads) == 2  # one read once the interval had passed, not one per call
     assert watch.problem is None
+
+
+def test_the_migrate_command_itself_logs_no_schema_error(
+    fresh_database_url: str, tmp_path: Path
+) -> None:
+    """``flask idempotency migrate`` (and ``flask db upgrade``) load the app to find
+    their command: no ERROR telling the operator to run what they are running."""
+    (tmp_path / "schema_app.py").write_text(
+        "import logging\n"
+        "from flask import Flask\n"
+        "from flask_idempotency import Idempotency, global_scope\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "app = Flask(__name__)\n"
+        f"app.config.update(IDEMPOTENCY_DATABASE_URL={fresh_database_url!r},\n"
+        "                  IDEMPOTENCY_SCOPE_FUNC=global_scope)\n"
+        "Idempotency(app)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "schema_app", "idempotency", "migrate"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "schema is up to date" in done.stdout
+    assert "ERROR" not in done.stderr and "no idempotency tables" not in done.stderr
