@@ -322,7 +322,7 @@ def _check_schema(store: PostgresStore) -> None:
     if ctx is not None and isinstance(ctx.command, FlaskGroup):
         return
     try:
-        store.schema.check()
+        store.check_schema_at_start()
     except StoreUnavailableError as exc:
         log.warning("idempotency: schema not checked at start, PostgreSQL failed (%s)", exc)
 

@@ -84,9 +84,10 @@ class Pool:
         raise NotImplementedError
 
     @contextmanager
-    def connection(self) -> Iterator[Connection]:
+    def connection(self, *, discard: bool = False) -> Iterator[Connection]:
+        """A connection for the block; closed after it with ``discard``."""
         conn = self.getconn()
-        broken = False
+        broken = discard
         try:
             yield conn
         except driver.ERRORS as exc:

@@ -126,11 +126,12 @@ class PostgresStore(Maintenance):
         return RowClaimRequest(self)
 
     @contextmanager
-    def autocommit(self) -> Iterator[Connection]:
+    def autocommit(self, *, discard: bool = False) -> Iterator[Connection]:
         """A pooled autocommit connection for the extension's own maintenance
-        statements: any driver error is a ``StoreUnavailableError``."""
+        statements (closed after the block with ``discard``): any driver error is a
+        ``StoreUnavailableError``."""
         try:
-            with self.pool.connection() as conn:
+            with self.pool.connection(discard=discard) as conn:
                 yield conn
         except driver.ERRORS as exc:
             if is_unreachable(exc):
@@ -234,11 +235,11 @@ class PostgresStore(Maintenance):
                 raise StoreUnavailableError(f"renewal failed: {reason}") from error
             return count
 
-    def inspect_schema(self) -> schema.Problem | None:
+    def inspect_schema(self, *, keep_connection: bool = True) -> schema.Problem | None:
         """What the database lacks of the extension's own schema, read from the
         migrations ledger under the extension's timeouts; ``None`` when it is in
         place. ``StoreUnavailableError`` when PostgreSQL does not answer."""
-        with self.autocommit() as conn:
+        with self.autocommit(discard=not keep_connection) as conn:
             ticket = WATCHDOG.watch(conn, self.deadline)
             try:
                 with self.driver.cursor(conn) as cur:
@@ -246,6 +247,12 @@ class PostgresStore(Maintenance):
             finally:
                 if WATCHDOG.unwatch(ticket):
                     conn.close()
+
+    def check_schema_at_start(self) -> schema.Problem | None:
+        """:meth:`inspect_schema` for ``init_app``, on a connection closed after it:
+        an app built before a fork (gunicorn's ``--preload``) must not leave its
+        workers a shared socket in a pool that cannot tell (SQLAlchemy's)."""
+        return self.schema.check(lambda: self.inspect_schema(keep_connection=False))
 
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         """The migrations this database has not applied (``flask idempotency doctor``)."""

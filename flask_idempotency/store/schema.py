@@ -139,10 +139,11 @@ class SchemaWatch:
         """The known problem, or ``None`` (in place, or not yet known)."""
         return self._problem
 
-    def check(self) -> Problem | None:
-        """Read the ledger now (start-up, a health check); log a new problem, or its end."""
+    def check(self, inspect: Callable[[], Problem | None] | None = None) -> Problem | None:
+        """Read the ledger now (with ``inspect`` instead, if given); log a new
+        problem, or its end."""
         with self._lock:
-            return self._look()
+            return self._look(inspect)
 
     def migrated(self) -> None:
         """This process has just applied every migration (``IDEMPOTENCY_AUTO_MIGRATE``,
@@ -184,9 +185,9 @@ class SchemaWatch:
         with self._lock:
             self._set(Problem(error.missing, error.detail, from_ledger=False))
 
-    def _look(self) -> Problem | None:
+    def _look(self, inspect: Callable[[], Problem | None] | None = None) -> Problem | None:
         self._checked_at = self._clock()  # also on failure: one caller at a time waits
-        problem = self._inspect()
+        problem = (inspect or self._inspect)()
         self._set(problem)
         return problem
 

@@ -102,6 +102,22 @@ def sql(url: str, statement: str) -> None:
         conn.close()
 
 
+def sessions_on(url: str) -> int:
+    """Other sessions connected to ``url``'s database."""
+    conn = psycopg2.connect(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            row = cur.fetchone()
+            assert row is not None
+            return int(row[0])
+    finally:
+        conn.close()
+
+
 def errors_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
@@ -286,7 +302,11 @@ def test_flask_sqlalchemy_apps_get_the_same_answers(
     from flask_sqlalchemy import SQLAlchemy
 
     url = fresh_database_url.replace("postgresql://", f"postgresql+{dialect}://", 1)
+    before = sessions_on(fresh_database_url)  # the fixture's own
     app = make_app(url, db=SQLAlchemy())
+    # The start-up check closed its connection: an app built before gunicorn forks
+    # (--preload) leaves its workers no shared socket in db's pool.
+    assert sessions_on(fresh_database_url) == before
     assert_named(post(app), "schema_missing")
 
     databases.migrate(fresh_database_url)
