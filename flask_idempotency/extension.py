@@ -308,7 +308,7 @@ class Idempotency:
         return app_state()
 
 
-def _check_schema(store: PostgresStore) -> None:
+def _check_schema(store: PostgresStore | MemoryStore) -> None:
     """Name a forgotten ``migrate`` at start-up, where the database answers (one
     small query; ``schema.py`` logs the problem). Where it does not, the first
     request that reaches it reads the ledger instead.

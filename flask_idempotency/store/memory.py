@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager
 from datetime import datetime, timedelta, timezone
 from typing import Any, NoReturn
 
-from . import one_process
+from . import one_process, schema
 from .base import (
     Claimed,
     ClaimResult,
@@ -89,6 +89,8 @@ class MemoryStore:
         self._records: dict[bytes, _Record] = {}
         self._claims_since_sweep = 0
         self._guard = one_process.Guard("IDEMPOTENCY_DATABASE_URL = memory://")
+        #: Never a problem: there is no schema to forget (``schema.py``).
+        self.schema = schema.SchemaWatch(lambda: None)
 
     def _clock(self) -> float:
         return self._base_clock() + self._offset
@@ -218,6 +220,9 @@ class MemoryStore:
 
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         return []
+
+    def check_schema_at_start(self) -> None:
+        """No schema to check."""
 
     def ping(self) -> None:
         """Always answers (in the process that created it)."""
