@@ -14,11 +14,14 @@ requests and a duplicate on another worker would take their keys over.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,6 +55,70 @@ if psycopg2.extensions.libpq_version() >= 120000:
     TCP_DEFAULTS["tcp_user_timeout"] = 10_000  # milliseconds
 
 
+#: How often a request waiting for a connection looks whether it should give up.
+WAIT_SLICE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkout:
+    """A request's terms for getting a connection: no later than ``until`` (on the
+    monotonic clock; ``None``: the pool's own timeout), and not at all once
+    ``abandoned()`` says so (the store's circuit breaker opened meanwhile), so a
+    request never answers after several deadlines because it queued behind
+    requests stuck on a server that stopped answering."""
+
+    until: float | None
+    abandoned: Callable[[], bool]
+
+    def remaining(self) -> float | None:
+        return None if self.until is None else self.until - time.monotonic()
+
+
+#: libpq's shortest connect timeout, seconds: it reads 1 as 2.
+MIN_CONNECT_TIMEOUT = 2
+
+#: A pool gave up on a checkout because the breaker opened.
+ABANDONED = "PostgreSQL is not answering (store circuit breaker opened while waiting)"
+
+
+def connect_timeout(checkout: Checkout | None, waited: bool, configured: Any) -> int | None:
+    """The connect timeout for a checkout, seconds: ``configured`` cut to what is left
+    of the checkout's time; ``None`` when there is nothing to cut (keep ``configured``).
+
+    libpq counts whole seconds and waits at least 2: a request that already spent
+    its time waiting for a slot does not start a connect it could not finish in
+    time (behind a frozen server, it would not finish at all):
+    ``StoreUnavailableError`` instead.
+    """
+    remaining = checkout.remaining() if checkout is not None else None
+    if remaining is None:
+        return None
+    if remaining <= 0 or (waited and remaining < MIN_CONNECT_TIMEOUT):
+        raise StoreUnavailableError("no time left to connect before the deadline")
+    try:
+        limit = float(configured) if configured is not None else math.inf
+    except (TypeError, ValueError):
+        limit = math.inf
+    if limit <= 0:  # 0: libpq waits for ever
+        limit = math.inf
+    return max(MIN_CONNECT_TIMEOUT, math.floor(min(limit, remaining)))
+
+
+def wait_for_slot(slots: threading.Semaphore, timeout: float, checkout: Checkout | None) -> bool:
+    """Take one of ``slots`` within ``timeout`` seconds (less if ``checkout`` ends
+    sooner); False if none came free or the checkout was abandoned meanwhile."""
+    if checkout is None:
+        return slots.acquire(timeout=timeout)
+    remaining = checkout.remaining()
+    end = time.monotonic() + (timeout if remaining is None else min(timeout, remaining))
+    while True:
+        left = end - time.monotonic()
+        if left <= 0 or checkout.abandoned():
+            return False
+        if slots.acquire(timeout=min(left, WAIT_SLICE)):
+            return True
+
+
 class Pool:
     """What both pools share: a connection borrowed for a ``with`` block."""
 
@@ -61,7 +128,8 @@ class Pool:
     #: The DBAPI driver of the connections this pool lends.
     driver: Driver = PSYCOPG2
 
-    def getconn(self) -> Connection:
+    def getconn(self, checkout: Checkout | None = None) -> Connection:
+        """A connection, waiting (if the pool waits at all) within ``checkout``'s terms."""
         raise NotImplementedError
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
@@ -145,20 +213,25 @@ class ConnectionPool(Pool):
         if self._pid != os.getpid():
             self._reset()
 
-    def getconn(self) -> Connection:
+    def getconn(self, checkout: Checkout | None = None) -> Connection:
         self._check_fork()
         observer = self.observer
-        if not self._slots.acquire(blocking=False):
+        waited = not self._slots.acquire(blocking=False)
+        if waited:
             self._warn_wait()
-            if not self._wait_for_slot(observer):
+            if not self._wait_for_slot(observer, checkout):
+                if checkout is not None and checkout.abandoned():
+                    raise StoreUnavailableError(ABANDONED)
                 if observer is not None:
                     observer.pool_timeout()
                 raise StoreUnavailableError("no free database connection in the pool")
         try:
+            if checkout is not None and checkout.abandoned():
+                raise StoreUnavailableError(ABANDONED)
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
-                conn = psycopg2.connect(self._dsn, **self._connect_kwargs)
+                conn = psycopg2.connect(self._dsn, **self._connect_args(checkout, waited))
             conn.autocommit = True
             if observer is not None:
                 observer.pool_checkout()
@@ -172,14 +245,21 @@ class ConnectionPool(Pool):
             self._slots.release()
             raise
 
-    def _wait_for_slot(self, observer: Observer | None) -> bool:
+    def _wait_for_slot(self, observer: Observer | None, checkout: Checkout | None) -> bool:
         if observer is None:
-            return self._slots.acquire(timeout=self._timeout)
+            return wait_for_slot(self._slots, self._timeout, checkout)
         observer.pool_waiting(1)
         try:
-            return self._slots.acquire(timeout=self._timeout)
+            return wait_for_slot(self._slots, self._timeout, checkout)
         finally:
             observer.pool_waiting(-1)
+
+    def _connect_args(self, checkout: Checkout | None, waited: bool) -> dict[str, Any]:
+        """The connection parameters, the connect timeout cut to the checkout's time."""
+        seconds = connect_timeout(checkout, waited, self._connect_kwargs.get("connect_timeout"))
+        if seconds is None:
+            return self._connect_kwargs
+        return {**self._connect_kwargs, "connect_timeout": seconds}
 
     def _warn_wait(self) -> None:
         if self._warned_wait:
@@ -308,7 +388,8 @@ class BorrowedPool(Pool):
                 discard = True
         self._pool.putconn(conn, close=discard or bool(conn.closed))
 
-    def getconn(self) -> Connection:
+    def getconn(self, checkout: Checkout | None = None) -> Connection:
+        """psycopg2's pools never wait, so ``checkout`` has nothing to bound."""
         try:
             conn = self._borrow()
         except StoreUnavailableError as exc:
