@@ -35,7 +35,15 @@ from . import driver
 from .base import StoreUnavailableError
 from .driver import for_dialect
 from .errors import connect_failure
-from .pool import ABANDONED, Checkout, Connection, Pool, connect_timeout, wait_for_slot
+from .pool import (
+    ABANDONED,
+    Checkout,
+    Connection,
+    Pool,
+    connect_timeout,
+    connect_within,
+    wait_for_slot,
+)
 
 #: Seconds a request waits for one of the engine's connections when the engine's
 #: pool does not say (its ``timeout()``), as SQLAlchemy's own default.
@@ -94,11 +102,11 @@ class EnginePool(Pool):
         if given <= 0 or given > seconds:
             cparams["connect_timeout"] = seconds
 
-    def _take_slot(self, checkout: Checkout | None) -> tuple[threading.Semaphore | None, bool]:
-        """One of our slots (``None``: no count kept), and whether we waited for it."""
+    def _take_slot(self, checkout: Checkout | None) -> threading.Semaphore | None:
+        """One of our slots (``None``: no count kept)."""
         slots = self._request_slots()
         if slots is None or slots.acquire(blocking=False):
-            return slots, False
+            return slots
         timeout = getattr(self.engine.pool, "timeout", None)
         wait = float(timeout()) if callable(timeout) else DEFAULT_WAIT
         observer = self.observer
@@ -110,7 +118,7 @@ class EnginePool(Pool):
             if observer is not None:
                 observer.pool_waiting(-1)
         if taken:
-            return slots, True
+            return slots
         if checkout is not None and checkout.abandoned():
             raise StoreUnavailableError(ABANDONED)
         if observer is not None:
@@ -118,21 +126,41 @@ class EnginePool(Pool):
         raise StoreUnavailableError("no free connection in db's pool")
 
     def getconn(self, checkout: Checkout | None = None) -> Connection:
-        slots, waited = self._take_slot(checkout)
+        slots = self._take_slot(checkout)
         try:
             if checkout is not None and checkout.abandoned():
                 raise StoreUnavailableError(ABANDONED)
-            self._connect_limit.seconds = connect_timeout(checkout, waited, None)
-            try:
+            if checkout is None:
                 return self._checkout()
-            finally:
-                self._connect_limit.seconds = None
+            seconds = connect_timeout(checkout, None)
+            # The engine's checkout may connect: in a thread the request can give up on.
+            return connect_within(lambda: self._checkout(seconds), checkout, self._give_back)
         except BaseException:
             if slots is not None:
                 slots.release()
             raise
 
-    def _checkout(self) -> Connection:
+    def _give_back(self, conn: Connection) -> None:
+        """A checkout its request gave up on while it was made: back to the engine."""
+        with self._lock:
+            sa_conn, autocommit = self._lent.pop(conn)
+        if self.observer is not None:
+            self.observer.pool_checkin()
+        try:
+            conn.autocommit = autocommit
+            sa_conn.close()
+        except driver.ERRORS:
+            sa_conn.invalidate()
+            sa_conn.close()
+
+    def _checkout(self, connect_seconds: int | None = None) -> Connection:
+        self._connect_limit.seconds = connect_seconds
+        try:
+            return self._checkout_now()
+        finally:
+            self._connect_limit.seconds = None
+
+    def _checkout_now(self) -> Connection:
         try:
             sa_conn = self.engine.connect()
         except sqlalchemy.exc.TimeoutError as exc:

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg2
 import psycopg2.extensions
@@ -81,19 +81,20 @@ MIN_CONNECT_TIMEOUT = 2
 ABANDONED = "PostgreSQL is not answering (store circuit breaker opened while waiting)"
 
 
-def connect_timeout(checkout: Checkout | None, waited: bool, configured: Any) -> int | None:
-    """The connect timeout for a checkout, seconds: ``configured`` cut to what is left
-    of the checkout's time; ``None`` when there is nothing to cut (keep ``configured``).
+class NoAnswerError(StoreUnavailableError):
+    """A connect had no answer before the checkout's deadline (the store's breaker
+    counts it as PostgreSQL not answering)."""
 
-    libpq counts whole seconds and waits at least 2: a request that already spent
-    its time waiting for a slot does not start a connect it could not finish in
-    time (behind a frozen server, it would not finish at all):
-    ``StoreUnavailableError`` instead.
-    """
+
+def connect_timeout(checkout: Checkout | None, configured: Any) -> int | None:
+    """libpq's connect timeout for a checkout, seconds: ``configured`` cut to what is
+    left of the checkout's time (whole seconds, at least libpq's 2); ``None`` when
+    there is nothing to cut (keep ``configured``). It only bounds how long a connect
+    the request gave up on goes on in the background (``connect_within``)."""
     remaining = checkout.remaining() if checkout is not None else None
     if remaining is None:
         return None
-    if remaining <= 0 or (waited and remaining < MIN_CONNECT_TIMEOUT):
+    if remaining <= 0:
         raise StoreUnavailableError("no time left to connect before the deadline")
     try:
         limit = float(configured) if configured is not None else math.inf
@@ -101,7 +102,59 @@ def connect_timeout(checkout: Checkout | None, waited: bool, configured: Any) ->
         limit = math.inf
     if limit <= 0:  # 0: libpq waits for ever
         limit = math.inf
-    return max(MIN_CONNECT_TIMEOUT, math.floor(min(limit, remaining)))
+    return max(MIN_CONNECT_TIMEOUT, math.ceil(min(limit, remaining)))
+
+
+T = TypeVar("T")
+
+
+def connect_within(
+    connect: Callable[[], T], checkout: Checkout | None, discard: Callable[[T], None]
+) -> T:
+    """``connect()``, which the request can give up on: at the checkout's deadline
+    (``NoAnswerError``) or when the breaker opens (``StoreUnavailableError``).
+
+    A blocking connect cannot be interrupted, and behind a frozen server (its
+    kernel still accepts the TCP connection) it waits out libpq's whole connect
+    timeout, at least 2 s, whatever is left of the request's deadline. So it runs
+    in a thread of its own; a request that gives up answers at once, and a
+    connection that arrives after that is handed to ``discard``.
+    """
+    if checkout is None:
+        return connect()
+    outcome: list[Any] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    gave_up = False
+
+    def run() -> None:
+        try:
+            outcome.append((True, connect()))
+        except BaseException as exc:  # handed to the request, or dropped with it
+            outcome.append((False, exc))
+        with lock:
+            done.set()
+            late = gave_up
+        ok, value = outcome[0]
+        if late and ok:
+            discard(value)
+
+    threading.Thread(target=run, name="idempotency-connect", daemon=True).start()
+    while not done.wait(WAIT_SLICE):
+        remaining = checkout.remaining()
+        abandoned = checkout.abandoned()
+        if abandoned or (remaining is not None and remaining <= 0):
+            with lock:
+                if not done.is_set():
+                    gave_up = True
+                    if abandoned:
+                        raise StoreUnavailableError(ABANDONED)
+                    raise NoAnswerError("no answer to the connect before the deadline")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    connection: T = value
+    return connection
 
 
 def wait_for_slot(slots: threading.Semaphore, timeout: float, checkout: Checkout | None) -> bool:
@@ -216,8 +269,7 @@ class ConnectionPool(Pool):
     def getconn(self, checkout: Checkout | None = None) -> Connection:
         self._check_fork()
         observer = self.observer
-        waited = not self._slots.acquire(blocking=False)
-        if waited:
+        if not self._slots.acquire(blocking=False):
             self._warn_wait()
             if not self._wait_for_slot(observer, checkout):
                 if checkout is not None and checkout.abandoned():
@@ -231,7 +283,10 @@ class ConnectionPool(Pool):
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
-                conn = psycopg2.connect(self._dsn, **self._connect_args(checkout, waited))
+                args = self._connect_args(checkout)
+                conn = connect_within(
+                    lambda: psycopg2.connect(self._dsn, **args), checkout, self._keep_idle
+                )
             conn.autocommit = True
             if observer is not None:
                 observer.pool_checkout()
@@ -254,9 +309,18 @@ class ConnectionPool(Pool):
         finally:
             observer.pool_waiting(-1)
 
-    def _connect_args(self, checkout: Checkout | None, waited: bool) -> dict[str, Any]:
+    def _keep_idle(self, conn: Connection) -> None:
+        """A connection whose request gave up on it while it was made: kept for the next."""
+        if self._pid != os.getpid():
+            _close_quietly(conn)
+            return
+        conn.autocommit = True
+        with self._lock:
+            self._idle.append(conn)
+
+    def _connect_args(self, checkout: Checkout | None) -> dict[str, Any]:
         """The connection parameters, the connect timeout cut to the checkout's time."""
-        seconds = connect_timeout(checkout, waited, self._connect_kwargs.get("connect_timeout"))
+        seconds = connect_timeout(checkout, self._connect_kwargs.get("connect_timeout"))
         if seconds is None:
             return self._connect_kwargs
         return {**self._connect_kwargs, "connect_timeout": seconds}

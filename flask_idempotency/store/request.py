@@ -30,7 +30,7 @@ from .base import (
 from .breaker import StoreBreaker
 from .driver import Driver, sqlstate
 from .errors import is_unreachable
-from .pool import Checkout, Connection, Pool
+from .pool import Checkout, Connection, NoAnswerError, Pool
 from .sql import (
     BUMP_RECOVERY_TOTAL,
     CHECKPOINT,
@@ -123,7 +123,9 @@ class PostgresRequest:
             try:
                 self._conn = self._store.pool.getconn(checkout)
             except StoreUnavailableError as exc:
-                if _connect_failed(exc):
+                if isinstance(exc, NoAnswerError):
+                    breaker.failed("no answer to the connect before the deadline")
+                elif _connect_failed(exc):
                     breaker.failed(type(exc.__cause__).__name__)
                 raise
         return self._conn
