@@ -219,7 +219,8 @@ def test_frozen_postgres_answers_503_within_the_deadline_and_recovers(
             round(recovered_at - thawed_at, 2) if recovered_at is not None else "never"
         ),
         retries_after=dict(retries),
-        breaker_log_lines=sum("circuit breaker" in line for line in app_log.splitlines()),
+        breaker_opened=app_log.count("store circuit breaker open,"),
+        breaker_closed=app_log.count("store circuit breaker closed"),
     )
 
     assert within, "no request was answered while PostgreSQL was frozen"
@@ -231,6 +232,8 @@ def test_frozen_postgres_answers_503_within_the_deadline_and_recovers(
         f"up to {_latency(slow[-1]):.2f} s"
     )
     assert recovered_at is not None, "no new key succeeded after PostgreSQL was thawed"
+    assert "store circuit breaker open," in app_log
+    assert "store circuit breaker closed" in app_log
 
     executions = _executions([*answers, *final.values()])
     for key in clients.calls:
