@@ -14,6 +14,7 @@ engine.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -36,6 +37,9 @@ def _options() -> dict[str, Any]:
 
 
 def create_app() -> Flask:
+    # The store's INFO lines too (the breaker's closing), on gunicorn's stderr.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("flask_idempotency.store").setLevel(logging.INFO)
     app = Flask(__name__)
     dsn = os.environ["DATABASE_URL"]
     options = _options()
