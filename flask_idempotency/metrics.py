@@ -277,6 +277,10 @@ class _Fanout(Observer):
         for observer in self._metrics.observers:
             observer.breaker_changed(state)
 
+    def store_breaker_changed(self, state: str) -> None:
+        for observer in self._metrics.observers:
+            observer.store_breaker_changed(state)
+
     def pool_checkout(self) -> None:
         for observer in self._metrics.observers:
             observer.pool_checkout()

@@ -183,6 +183,9 @@ class Observer:
     def breaker_changed(self, state: str) -> None:
         """The Redis circuit breaker is now ``closed``, ``open`` or ``half-open``."""
 
+    def store_breaker_changed(self, state: str) -> None:
+        """The store's (PostgreSQL's) circuit breaker is now ``closed`` or ``open``."""
+
     def pool_checkout(self) -> None:
         """A request took a connection from the pool."""
 

@@ -163,6 +163,17 @@ class Settings:
     #: for a row lock (``SET LOCAL lock_timeout``) before a 503; ``0`` waits up to the statement
     #: timeout.
     lock_timeout: float = 2.0
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["breaker_threshold"]``: failures in a row that mean
+    #: PostgreSQL is not answering (a statement with no answer by its deadline, a lost
+    #: connection, a failed connect) before the store's circuit breaker opens. While it
+    #: is open, requests answer ``503 store_unavailable`` at once, those waiting for a
+    #: pool connection too, instead of each waiting out the deadline behind a frozen
+    #: server. An error the server answered (a constraint, a lock timeout) never counts.
+    store_breaker_threshold: int = 3
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["breaker_cooldown"]``: seconds the open breaker
+    #: answers 503 before it lets one request through as a probe; the probe's answer
+    #: closes it, its failure opens it for another cooldown.
+    store_breaker_cooldown: float = 1.0
     #: ``IDEMPOTENCY_BROKER_URL``: where ``flask idempotency relay`` publishes the
     #: outbox's events (a kombu URL: ``amqp://user:pass@host:5672/vhost``); the
     #: relay's ``--broker-url`` overrides it. Unset: the relay refuses to start.
@@ -189,6 +200,7 @@ _SECONDS_FIELDS = {
     "pool_timeout",
     "redis_timeout",
     "redis_breaker_cooldown",
+    "store_breaker_cooldown",
 }
 _INT_FIELDS = {
     "pool_size",
@@ -197,6 +209,7 @@ _INT_FIELDS = {
     "max_stored_body",
     "redis_breaker_threshold",
     "redis_compress_over",
+    "store_breaker_threshold",
 }
 _BOOL_FIELDS = {
     "async_claim_commit",
@@ -276,6 +289,8 @@ OPTION_GROUPS: dict[str, dict[str, str]] = {
         "lock_timeout": "lock_timeout",
         "prepare_statements": "prepare_statements",
         "async_claim_commit": "async_claim_commit",
+        "breaker_threshold": "store_breaker_threshold",
+        "breaker_cooldown": "store_breaker_cooldown",
     },
     "redis_options": {
         "prefix": "redis_prefix",
@@ -440,6 +455,11 @@ def validate(settings: Settings) -> None:
         raise ValueError(
             f"{config_key('redis_timeout')} must be positive and "
             f"{config_key('redis_breaker_threshold')} at least 1"
+        )
+    if settings.store_breaker_threshold < 1 or not settings.store_breaker_cooldown > 0:
+        raise ValueError(
+            f"{config_key('store_breaker_threshold')} must be at least 1 and "
+            f"{config_key('store_breaker_cooldown')} positive"
         )
     if not settings.statement_timeout > 0:
         raise ValueError(f"{config_key('statement_timeout')} must be positive")

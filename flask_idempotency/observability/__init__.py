@@ -44,6 +44,9 @@ def attach(app: Flask, observer: Observer) -> None:
     # for an attribute that is None.
     if state.store.pool is not None:  # (memory:// has none)
         state.store.pool.observer = hub.fanout
+    breaker = getattr(state.store, "breaker", None)
+    if breaker is not None:  # the state it is in now; transitions are reported as they come
+        hub.fanout.store_breaker_changed(breaker.state.value)
     state.keeper.observer = hub.fanout
     attach_cache = getattr(state.cache, "attach_observer", None)
     if attach_cache is not None:

@@ -150,6 +150,15 @@ class _Instruments:
         self.breaker_opened = counter(
             "redis_breaker_opened", "Times the Redis circuit breaker opened"
         )
+        self.store_breaker_state = gauge(
+            "store_breaker_state",
+            "Processes whose PostgreSQL circuit breaker is in each state",
+            ("state",),
+        )
+        self.store_breaker_opened = counter(
+            "store_breaker_opened",
+            "Times the PostgreSQL circuit breaker opened (requests answered 503 at once)",
+        )
         self.pool_max = gauge(
             "pool_connections_max", "Database connections the pools may lend to requests"
         )
@@ -358,6 +367,12 @@ class PrometheusMetrics(Observer):
             self._m.breaker_state.labels(name).set(1 if name == state else 0)
         if state == "open":
             self._m.breaker_opened.inc()
+
+    def store_breaker_changed(self, state: str) -> None:
+        for name in ("closed", "open", "half-open"):
+            self._m.store_breaker_state.labels(name).set(1 if name == state else 0)
+        if state == "open":
+            self._m.store_breaker_opened.inc()
 
     def pool_checkout(self) -> None:
         self._m.pool_in_use.inc()

@@ -12,6 +12,12 @@ answer commit together.
 A connection goes back to the engine as it came: ``autocommit`` restored, no
 transaction open. One the watchdog cut or the server dropped is invalidated,
 so the engine's pool replaces it instead of handing it to the next request.
+
+Requests take their connections within a count of the engine's capacity kept
+here (less the lease keeper's one), so a request that has to wait, waits where
+it can give up: at its claim's deadline, or at once when the store's circuit
+breaker opens (``pool.Checkout``), never for the engine's ``pool_timeout``
+behind requests stuck on a PostgreSQL that stopped answering.
 """
 
 from __future__ import annotations
@@ -29,7 +35,19 @@ from . import driver
 from .base import StoreUnavailableError
 from .driver import for_dialect
 from .errors import connect_failure
-from .pool import Connection, Pool
+from .pool import (
+    ABANDONED,
+    Checkout,
+    Connection,
+    Pool,
+    connect_timeout,
+    connect_within,
+    wait_for_slot,
+)
+
+#: Seconds a request waits for one of the engine's connections when the engine's
+#: pool does not say (its ``timeout()``), as SQLAlchemy's own default.
+DEFAULT_WAIT = 30.0
 
 
 class EnginePool(Pool):
@@ -48,10 +66,101 @@ class EnginePool(Pool):
         self._renewal: Any = None
         self._renewal_pid = -1
         self._renewal_lock = threading.Lock()
+        self._slots_pid = -1
+        self._slots: threading.Semaphore | None = None
+        #: The connect timeout of a connect made for one of our checkouts (this
+        #: thread's), applied by ``_bound_connect``; the app's own connects keep theirs.
+        self._connect_limit = threading.local()
+        sqlalchemy.event.listen(engine, "do_connect", self._bound_connect)
 
     # -- request connections ---------------------------------------------------
 
-    def getconn(self) -> Connection:
+    def _request_slots(self) -> threading.Semaphore | None:
+        """The count of connections requests may hold (this process's), or ``None``
+        when the engine's pool has no fixed size."""
+        if self._slots_pid != os.getpid():
+            capacity = self.capacity()
+            if getattr(self.engine.pool, "_max_overflow", 0) < 0:
+                capacity = None  # no limit on the engine's side: none here either
+            self._slots = threading.Semaphore(capacity[0]) if capacity and capacity[0] > 0 else None
+            self._slots_pid = os.getpid()
+        return self._slots
+
+    def _bound_connect(
+        self, dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]
+    ) -> None:
+        """``do_connect``: a connect for one of our checkouts ends by the checkout's
+        deadline (an engine with no ``connect_timeout`` would wait for ever behind a
+        frozen server: its kernel still accepts the TCP connection)."""
+        seconds = getattr(self._connect_limit, "seconds", None)
+        if seconds is None:
+            return
+        try:
+            given = float(cparams.get("connect_timeout") or 0)
+        except (TypeError, ValueError):
+            given = 0
+        if given <= 0 or given > seconds:
+            cparams["connect_timeout"] = seconds
+
+    def _take_slot(self, checkout: Checkout | None) -> threading.Semaphore | None:
+        """One of our slots (``None``: no count kept)."""
+        slots = self._request_slots()
+        if slots is None or slots.acquire(blocking=False):
+            return slots
+        timeout = getattr(self.engine.pool, "timeout", None)
+        wait = float(timeout()) if callable(timeout) else DEFAULT_WAIT
+        observer = self.observer
+        if observer is not None:
+            observer.pool_waiting(1)
+        try:
+            taken = wait_for_slot(slots, wait, checkout)
+        finally:
+            if observer is not None:
+                observer.pool_waiting(-1)
+        if taken:
+            return slots
+        if checkout is not None and checkout.abandoned():
+            raise StoreUnavailableError(ABANDONED)
+        if observer is not None:
+            observer.pool_timeout()
+        raise StoreUnavailableError("no free connection in db's pool")
+
+    def getconn(self, checkout: Checkout | None = None) -> Connection:
+        slots = self._take_slot(checkout)
+        try:
+            if checkout is not None and checkout.abandoned():
+                raise StoreUnavailableError(ABANDONED)
+            if checkout is None:
+                return self._checkout()
+            seconds = connect_timeout(checkout, None)
+            # The engine's checkout may connect: in a thread the request can give up on.
+            return connect_within(lambda: self._checkout(seconds), checkout, self._give_back)
+        except BaseException:
+            if slots is not None:
+                slots.release()
+            raise
+
+    def _give_back(self, conn: Connection) -> None:
+        """A checkout its request gave up on while it was made: back to the engine."""
+        with self._lock:
+            sa_conn, autocommit = self._lent.pop(conn)
+        if self.observer is not None:
+            self.observer.pool_checkin()
+        try:
+            conn.autocommit = autocommit
+            sa_conn.close()
+        except driver.ERRORS:
+            sa_conn.invalidate()
+            sa_conn.close()
+
+    def _checkout(self, connect_seconds: int | None = None) -> Connection:
+        self._connect_limit.seconds = connect_seconds
+        try:
+            return self._checkout_now()
+        finally:
+            self._connect_limit.seconds = None
+
+    def _checkout_now(self) -> Connection:
         try:
             sa_conn = self.engine.connect()
         except sqlalchemy.exc.TimeoutError as exc:
@@ -87,6 +196,9 @@ class EnginePool(Pool):
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
         with self._lock:
             sa_conn, autocommit = self._lent.pop(conn)
+            slots = self._slots if self._slots_pid == os.getpid() else None
+        if slots is not None:
+            slots.release()
         try:
             if not discard and not conn.closed:
                 try:

@@ -14,13 +14,16 @@ requests and a duplicate on another worker would take their keys over.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg2
 import psycopg2.extensions
@@ -52,6 +55,123 @@ if psycopg2.extensions.libpq_version() >= 120000:
     TCP_DEFAULTS["tcp_user_timeout"] = 10_000  # milliseconds
 
 
+#: How often a request waiting for a connection looks whether it should give up.
+WAIT_SLICE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkout:
+    """A request's terms for getting a connection: no later than ``until`` (on the
+    monotonic clock; ``None``: the pool's own timeout), and not at all once
+    ``abandoned()`` says so (the store's circuit breaker opened meanwhile), so a
+    request never answers after several deadlines because it queued behind
+    requests stuck on a server that stopped answering."""
+
+    until: float | None
+    abandoned: Callable[[], bool]
+
+    def remaining(self) -> float | None:
+        return None if self.until is None else self.until - time.monotonic()
+
+
+#: libpq's shortest connect timeout, seconds: it reads 1 as 2.
+MIN_CONNECT_TIMEOUT = 2
+
+#: A pool gave up on a checkout because the breaker opened.
+ABANDONED = "PostgreSQL is not answering (store circuit breaker opened while waiting)"
+
+
+class NoAnswerError(StoreUnavailableError):
+    """A connect had no answer before the checkout's deadline (the store's breaker
+    counts it as PostgreSQL not answering)."""
+
+
+def connect_timeout(checkout: Checkout | None, configured: Any) -> int | None:
+    """libpq's connect timeout for a checkout, seconds: ``configured`` cut to what is
+    left of the checkout's time (whole seconds, at least libpq's 2); ``None`` when
+    there is nothing to cut (keep ``configured``). It only bounds how long a connect
+    the request gave up on goes on in the background (``connect_within``)."""
+    remaining = checkout.remaining() if checkout is not None else None
+    if remaining is None:
+        return None
+    if remaining <= 0:
+        raise StoreUnavailableError("no time left to connect before the deadline")
+    try:
+        limit = float(configured) if configured is not None else math.inf
+    except (TypeError, ValueError):
+        limit = math.inf
+    if limit <= 0:  # 0: libpq waits for ever
+        limit = math.inf
+    return max(MIN_CONNECT_TIMEOUT, math.ceil(min(limit, remaining)))
+
+
+T = TypeVar("T")
+
+
+def connect_within(
+    connect: Callable[[], T], checkout: Checkout | None, discard: Callable[[T], None]
+) -> T:
+    """``connect()``, which the request can give up on: at the checkout's deadline
+    (``NoAnswerError``) or when the breaker opens (``StoreUnavailableError``).
+
+    A blocking connect cannot be interrupted, and behind a frozen server (its
+    kernel still accepts the TCP connection) it waits out libpq's whole connect
+    timeout, at least 2 s, whatever is left of the request's deadline. So it runs
+    in a thread of its own; a request that gives up answers at once, and a
+    connection that arrives after that is handed to ``discard``.
+    """
+    if checkout is None:
+        return connect()
+    outcome: list[Any] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    gave_up = False
+
+    def run() -> None:
+        try:
+            outcome.append((True, connect()))
+        except BaseException as exc:  # handed to the request, or dropped with it
+            outcome.append((False, exc))
+        with lock:
+            done.set()
+            late = gave_up
+        ok, value = outcome[0]
+        if late and ok:
+            discard(value)
+
+    threading.Thread(target=run, name="idempotency-connect", daemon=True).start()
+    while not done.wait(WAIT_SLICE):
+        remaining = checkout.remaining()
+        abandoned = checkout.abandoned()
+        if abandoned or (remaining is not None and remaining <= 0):
+            with lock:
+                if not done.is_set():
+                    gave_up = True
+                    if abandoned:
+                        raise StoreUnavailableError(ABANDONED)
+                    raise NoAnswerError("no answer to the connect before the deadline")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    connection: T = value
+    return connection
+
+
+def wait_for_slot(slots: threading.Semaphore, timeout: float, checkout: Checkout | None) -> bool:
+    """Take one of ``slots`` within ``timeout`` seconds (less if ``checkout`` ends
+    sooner); False if none came free or the checkout was abandoned meanwhile."""
+    if checkout is None:
+        return slots.acquire(timeout=timeout)
+    remaining = checkout.remaining()
+    end = time.monotonic() + (timeout if remaining is None else min(timeout, remaining))
+    while True:
+        left = end - time.monotonic()
+        if left <= 0 or checkout.abandoned():
+            return False
+        if slots.acquire(timeout=min(left, WAIT_SLICE)):
+            return True
+
+
 class Pool:
     """What both pools share: a connection borrowed for a ``with`` block."""
 
@@ -61,7 +181,8 @@ class Pool:
     #: The DBAPI driver of the connections this pool lends.
     driver: Driver = PSYCOPG2
 
-    def getconn(self) -> Connection:
+    def getconn(self, checkout: Checkout | None = None) -> Connection:
+        """A connection, waiting (if the pool waits at all) within ``checkout``'s terms."""
         raise NotImplementedError
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
@@ -146,20 +267,27 @@ class ConnectionPool(Pool):
         if self._pid != os.getpid():
             self._reset()
 
-    def getconn(self) -> Connection:
+    def getconn(self, checkout: Checkout | None = None) -> Connection:
         self._check_fork()
         observer = self.observer
         if not self._slots.acquire(blocking=False):
             self._warn_wait()
-            if not self._wait_for_slot(observer):
+            if not self._wait_for_slot(observer, checkout):
+                if checkout is not None and checkout.abandoned():
+                    raise StoreUnavailableError(ABANDONED)
                 if observer is not None:
                     observer.pool_timeout()
                 raise StoreUnavailableError("no free database connection in the pool")
         try:
+            if checkout is not None and checkout.abandoned():
+                raise StoreUnavailableError(ABANDONED)
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
-                conn = psycopg2.connect(self._dsn, **self._connect_kwargs)
+                args = self._connect_args(checkout)
+                conn = connect_within(
+                    lambda: psycopg2.connect(self._dsn, **args), checkout, self._keep_idle
+                )
             conn.autocommit = True
             if observer is not None:
                 observer.pool_checkout()
@@ -173,14 +301,30 @@ class ConnectionPool(Pool):
             self._slots.release()
             raise
 
-    def _wait_for_slot(self, observer: Observer | None) -> bool:
+    def _wait_for_slot(self, observer: Observer | None, checkout: Checkout | None) -> bool:
         if observer is None:
-            return self._slots.acquire(timeout=self._timeout)
+            return wait_for_slot(self._slots, self._timeout, checkout)
         observer.pool_waiting(1)
         try:
-            return self._slots.acquire(timeout=self._timeout)
+            return wait_for_slot(self._slots, self._timeout, checkout)
         finally:
             observer.pool_waiting(-1)
+
+    def _keep_idle(self, conn: Connection) -> None:
+        """A connection whose request gave up on it while it was made: kept for the next."""
+        if self._pid != os.getpid():
+            _close_quietly(conn)
+            return
+        conn.autocommit = True
+        with self._lock:
+            self._idle.append(conn)
+
+    def _connect_args(self, checkout: Checkout | None) -> dict[str, Any]:
+        """The connection parameters, the connect timeout cut to the checkout's time."""
+        seconds = connect_timeout(checkout, self._connect_kwargs.get("connect_timeout"))
+        if seconds is None:
+            return self._connect_kwargs
+        return {**self._connect_kwargs, "connect_timeout": seconds}
 
     def _warn_wait(self) -> None:
         if self._warned_wait:
@@ -309,7 +453,8 @@ class BorrowedPool(Pool):
                 discard = True
         self._pool.putconn(conn, close=discard or bool(conn.closed))
 
-    def getconn(self) -> Connection:
+    def getconn(self, checkout: Checkout | None = None) -> Connection:
+        """psycopg2's pools never wait, so ``checkout`` has nothing to bound."""
         try:
             conn = self._borrow()
         except StoreUnavailableError as exc:

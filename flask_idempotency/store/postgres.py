@@ -18,6 +18,7 @@ from typing import Any
 
 from . import driver, migrations, schema
 from .base import LeaseHold, StoreUnavailableError
+from .breaker import StoreBreaker
 from .errors import is_unreachable
 from .maintenance import Maintenance
 from .pool import BorrowedPool, Connection, ConnectionPool, Pool
@@ -52,6 +53,8 @@ class PostgresStore(Maintenance):
         statement_timeout: float = 5.0,
         lock_timeout: float = 2.0,
         claim_mode: str = "row",
+        breaker_threshold: int = 3,
+        breaker_cooldown: float = 1.0,
     ) -> None:
         self.pool = pool
         #: How the pool's connections take our statements (psycopg2 or psycopg 3).
@@ -80,6 +83,12 @@ class PostgresStore(Maintenance):
         #: Whether the extension's schema is in place (``schema.py``): checked at
         #: start-up, guarded before each claim.
         self.schema = schema.SchemaWatch(self.inspect_schema)
+        #: Opens when PostgreSQL stops answering: requests then answer 503 at once
+        #: instead of queueing behind a frozen server (``breaker.py``). Reports to
+        #: the pool's observer, which ``observability.attach`` sets.
+        self.breaker = StoreBreaker(
+            breaker_threshold, breaker_cooldown, observer=lambda: self.pool.observer
+        )
 
     def claim_sql(self, conn: Connection) -> str:
         """The claim's text for this connection: prepared on first use if enabled."""
@@ -117,6 +126,8 @@ class PostgresStore(Maintenance):
             statement_timeout=settings.statement_timeout,
             lock_timeout=settings.lock_timeout,
             claim_mode=settings.claim_mode,
+            breaker_threshold=settings.store_breaker_threshold,
+            breaker_cooldown=settings.store_breaker_cooldown,
         )
 
     def begin(self) -> PostgresRequest:
@@ -187,14 +198,22 @@ class PostgresStore(Maintenance):
                 self.pool.discard_idle()
 
     def ping(self) -> None:
-        """One short statement under the extension's timeouts (health checks)."""
+        """One short statement under the extension's timeouts (health checks); at once
+        ``StoreUnavailableError`` while the breaker is open, which it may probe."""
+        self.breaker.admit()
         with self.autocommit() as conn:
-            ticket = WATCHDOG.watch(conn, self.deadline)
+            ticket = WATCHDOG.watch(conn, self.deadline, self.breaker.no_answer)
+            error: BaseException | None = None
             try:
                 with self.driver.cursor(conn) as cur:
                     self.driver.execute(cur, self.timeouts + "SELECT 1")
+            except BaseException as exc:
+                error = exc
+                raise
             finally:
-                if WATCHDOG.unwatch(ticket):
+                fired = WATCHDOG.unwatch(ticket)
+                self.breaker.outcome(conn, error, fired=fired)
+                if fired:
                     conn.close()
 
     def prepare_renewals(self) -> None:

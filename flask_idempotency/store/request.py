@@ -10,10 +10,13 @@ release, recovery points) is :class:`PostgresRequest`'s.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from typing import Any, Protocol
 
 import psycopg2
+import psycopg2.pool
 
 from . import driver
 from .base import (
@@ -24,9 +27,10 @@ from .base import (
     StoredResponse,
     StoreUnavailableError,
 )
+from .breaker import StoreBreaker
 from .driver import Driver, sqlstate
 from .errors import is_unreachable
-from .pool import Connection, Pool
+from .pool import Checkout, Connection, NoAnswerError, Pool
 from .schema import mismatch
 from .sql import (
     BUMP_RECOVERY_TOTAL,
@@ -57,6 +61,8 @@ class RequestStore(Protocol):
     complete_alone: str
     complete_in_transaction: str
     insert_completed: str
+    #: Opened by failures that mean PostgreSQL is not answering; requests then 503 at once.
+    breaker: StoreBreaker
 
     def claim_sql(self, conn: Connection) -> str: ...
 
@@ -114,10 +120,36 @@ class PostgresRequest:
         """Claim ``record_key`` for this request, or read who has it."""
         raise NotImplementedError
 
-    def _acquire(self) -> Connection:
+    def _acquire(self, until: float | None = None) -> Connection:
+        """This request's connection, taken from the pool if it has none: at once
+        ``StoreUnavailableError`` while the store's breaker is open, and by ``until``
+        (monotonic clock) if given."""
         if self._conn is None:
-            self._conn = self._store.pool.getconn()
+            breaker = self._store.breaker
+            openings = breaker.admit()
+            checkout = Checkout(until, functools.partial(breaker.opened_since, openings))
+            try:
+                self._conn = self._store.pool.getconn(checkout)
+            except StoreUnavailableError as exc:
+                if isinstance(exc, NoAnswerError):
+                    breaker.failed("no answer to the connect before the deadline")
+                elif _connect_failed(exc):
+                    breaker.failed(type(exc.__cause__).__name__)
+                raise
         return self._conn
+
+    def _claim_deadline(self) -> float:
+        """When a claim starting now must have its answer (monotonic clock): a claim
+        has one deadline for everything it waits on, the pool, a connect and its
+        statement, so a frozen server cannot make it wait several."""
+        return time.monotonic() + self._store.deadline
+
+    def _seconds_left(self, until: float) -> float:
+        """What is left of the claim's deadline for its statement."""
+        left = until - time.monotonic()
+        if left <= 0:
+            raise StoreUnavailableError("the claim's deadline passed before it was sent")
+        return min(self._store.deadline, left)
 
     @property
     def in_transaction(self) -> bool:
@@ -187,25 +219,41 @@ class PostgresRequest:
             self._store.pool.discard_idle()
 
     def _execute(
-        self, conn: Connection, sql: str, params: Any = None, *, fetch: bool = False
+        self,
+        conn: Connection,
+        sql: str,
+        params: Any = None,
+        *,
+        fetch: bool = False,
+        seconds: float | None = None,
     ) -> Any:
-        """Run one of the extension's own statements under the client-side deadline;
-        the first row if ``fetch``. Raises the driver's errors; a statement the
-        watchdog had to cut off raises ``OperationalError`` and marks the request
-        unresponsive."""
+        """Run one of the extension's own statements under the client-side deadline
+        (``seconds``, if less); the first row if ``fetch``. Raises the driver's
+        errors; a statement the watchdog had to cut off raises ``OperationalError``
+        and marks the request unresponsive. The outcome is the store breaker's."""
         if self._deferred is not None:
             sql = f"{self._deferred};\n{sql}"
             self._deferred = None
-        ticket = WATCHDOG.watch(conn, self._store.deadline)
+        deadline = self._store.deadline if seconds is None else seconds
+        breaker = self._store.breaker
+        # A statement cut after less than half the deadline (the claim's time went
+        # on waiting for a connection) says too little about the server to count.
+        full = deadline >= self._store.deadline / 2
+        ticket = WATCHDOG.watch(conn, deadline, breaker.no_answer if full else None)
+        error: BaseException | None = None
         try:
             driver = self._store.driver
             with driver.cursor(conn) as cur:
                 driver.execute(cur, sql, params)
                 row = cur.fetchone() if fetch else None
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             fired = WATCHDOG.unwatch(ticket)
             if fired:
                 self._unresponsive = True
+            breaker.outcome(conn, error, fired=fired)
         if fired:  # answered as the socket was shut down: the connection is gone anyway
             raise psycopg2.OperationalError("no answer from PostgreSQL before the deadline")
         return row
@@ -387,10 +435,14 @@ class RowClaimRequest(PostgresRequest):
             "recovery": recovery,
         }
         retried_connection = retried_prepare = False
+        until = self._claim_deadline()
         for _ in range(5):
-            conn = self._acquire()
+            conn = self._acquire(until)
+            seconds = self._seconds_left(until)
             try:
-                row = self._execute(conn, self._store.claim_sql(conn), params, fetch=True)
+                row = self._execute(
+                    conn, self._store.claim_sql(conn), params, fetch=True, seconds=seconds
+                )
             except driver.ERRORS as exc:
                 if self._unresponsive:
                     self._drop()
@@ -453,10 +505,12 @@ class TransactionClaimRequest(PostgresRequest):
             self._rollback()  # a waiting duplicate's earlier try
         request_lock, key_lock = advisory_locks(record_key, fingerprint)
         params = (record_key, request_lock, key_lock)
+        until = self._claim_deadline()
         for attempt in range(2):
-            conn = self._acquire()
+            conn = self._acquire(until)
+            seconds = self._seconds_left(until)
             try:
-                row = self._execute(conn, CLAIM_IN_TRANSACTION, params, fetch=True)
+                row = self._execute(conn, CLAIM_IN_TRANSACTION, params, fetch=True, seconds=seconds)
                 break
             except driver.ERRORS as exc:
                 unreachable = self._unresponsive or is_unreachable(exc, conn)
@@ -484,3 +538,10 @@ class TransactionClaimRequest(PostgresRequest):
         if state == "completed":
             response = StoredResponse(int(row[4]), headers_from_json(row[5]), bytes(row[6]))
         return Existing(state, stored_fingerprint, response, row[7], row[8])
+
+
+def _connect_failed(exc: StoreUnavailableError) -> bool:
+    """Whether a pool's ``StoreUnavailableError`` is a connect that failed (the
+    driver's error), not a pool with no free connection or a breaker."""
+    cause = exc.__cause__
+    return isinstance(cause, driver.ERRORS) and not isinstance(cause, psycopg2.pool.PoolError)

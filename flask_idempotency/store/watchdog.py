@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("flask_idempotency.store")
@@ -46,19 +47,26 @@ class Watchdog:
     def __init__(self, poll_interval: float = POLL_INTERVAL) -> None:
         self._poll_interval = poll_interval
         self._tickets = itertools.count(1)
-        #: ticket -> (deadline on the monotonic clock, connection)
-        self._watched: dict[int, tuple[float, Any]] = {}
+        #: ticket -> (deadline on the monotonic clock, connection, called when it fires)
+        self._watched: dict[int, tuple[float, Any, Callable[[], None] | None]] = {}
         self._kill_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._running = False
         self.fired = 0
 
-    def watch(self, conn: Any, seconds: float) -> int:
-        """Start watching one statement on ``conn``; returns the ticket for ``unwatch``."""
+    def watch(
+        self, conn: Any, seconds: float, on_fire: Callable[[], None] | None = None
+    ) -> int:
+        """Start watching one statement on ``conn``; returns the ticket for ``unwatch``.
+
+        ``on_fire`` is called if the deadline passes, before any socket of that
+        round is shut down: the store's breaker counts every statement that ran out
+        together before the first of their threads wakes and takes another request.
+        """
         if not self._running:
             self._start()
         ticket = next(self._tickets)
-        self._watched[ticket] = (time.monotonic() + seconds, conn)
+        self._watched[ticket] = (time.monotonic() + seconds, conn, on_fire)
         return ticket
 
     def unwatch(self, ticket: int) -> bool:
@@ -97,11 +105,19 @@ class Watchdog:
                 log.exception("idempotency: statement watchdog failed; still watching")
 
     def _check(self, now: float) -> None:
-        for ticket, (deadline, conn) in self._watched.copy().items():
-            if deadline <= now:
-                with self._kill_lock:
-                    if self._watched.pop(ticket, None) is not None:
-                        self._shut_down(conn)
+        overdue = [t for t, (deadline, _, _) in self._watched.copy().items() if deadline <= now]
+        if not overdue:
+            return
+        with self._kill_lock:
+            taken = [entry for t in overdue if (entry := self._watched.pop(t, None)) is not None]
+            for _, _, on_fire in taken:
+                if on_fire is not None:
+                    try:
+                        on_fire()
+                    except Exception:
+                        log.exception("idempotency: watchdog callback failed")
+            for _, conn, _ in taken:
+                self._shut_down(conn)
 
     def _shut_down(self, conn: Any) -> None:
         self.fired += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from flask_idempotency.observability.prometheus import PrometheusMetrics, TableS
 from flask_idempotency.observability.tracing import OpenTelemetryTracing
 from flask_idempotency.store import StoreUnavailableError
 from support.core_app import CLIENT_AUTHORIZATION
+from support.servers import ProxyFactory
 from support.waiting import wait_until
 
 MakeApp = Callable[..., Flask]
@@ -460,6 +462,34 @@ def test_redis_down_shows_in_the_breaker_and_its_logger_is_silenced_alone(
     names = {r.name for r in caplog.records}
     assert "flask_idempotency.cache" not in names
     assert "flask_idempotency.requests" in names
+
+
+def test_the_store_breaker_state_is_a_gauge_and_its_openings_a_counter(
+    make_app: MakeApp, clean_db: str, tcp_proxy: ProxyFactory, registry: CollectorRegistry
+) -> None:
+    proxy = tcp_proxy(clean_db)
+    app = make_app(
+        IDEMPOTENCY_DATABASE_URL=proxy.url_for(clean_db),
+        IDEMPOTENCY_DATABASE_OPTIONS={
+            "statement_timeout": 0.2,
+            "breaker_threshold": 1,
+            "breaker_cooldown": 0.3,
+        },
+    )
+    PrometheusMetrics(app, registry=registry)
+    name = "flask_idempotency_store_breaker_state"
+    assert sample(registry, name, state="closed") == 1
+    assert post(app, {}, f"{SECRET}-a").status_code == 201
+    proxy.stall()
+    assert post(app, {}, f"{SECRET}-b").status_code == 503  # no answer by the deadline: open
+    assert sample(registry, name, state="open") == 1
+    assert sample(registry, name, state="closed") == 0
+    assert sample(registry, "flask_idempotency_store_breaker_opened_total") == 1
+    proxy.resume()
+    time.sleep(0.3)
+    assert post(app, {}, f"{SECRET}-c").status_code == 201  # the probe
+    assert sample(registry, name, state="closed") == 1
+    assert sample(registry, name, state="open") == 0
 
 
 def test_a_custom_observer_and_no_observer_at_all(make_app: MakeApp) -> None:

@@ -1,0 +1,131 @@
+"""A circuit breaker, so that a server's outage costs nothing once it is noticed.
+
+Each failing call to a server that does not answer costs up to its timeout.
+With the breaker, only ``threshold`` consecutive calls pay it; then the server
+is skipped entirely (not even a connect attempt) for ``cooldown`` seconds,
+after which exactly one call is let through as a trial: its success closes the
+breaker, its failure opens it for another cooldown.
+
+Two breakers use it: the Redis cache's (``cache/redis.py``: requests skip the
+cache and go to PostgreSQL) and the store's (``store/breaker.py``: requests
+answer 503 at once instead of queueing behind a frozen PostgreSQL).
+
+The breaker reads an injectable clock, so tests move time instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+
+class Transition(enum.Enum):
+    """What a reported result did to the breaker, so the caller can log it once."""
+
+    NONE = "none"
+    OPENED = "opened"
+    CLOSED = "closed"
+
+
+class CircuitBreaker:
+    """Closed -> ``threshold`` consecutive failures -> open -> ``cooldown`` -> half-open.
+
+    Thread-safe: one lock around a few comparisons, never held during a call.
+    """
+
+    def __init__(
+        self,
+        threshold: int,
+        cooldown: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if threshold < 1:
+            raise ValueError("the breaker threshold must be at least 1")
+        if cooldown < 0:
+            raise ValueError("the breaker cooldown must not be negative")
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._state = BreakerState.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._trial_started = 0.0
+        self._openings = 0
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            return self._state
+
+    @property
+    def openings(self) -> int:
+        """How many times the breaker has opened: a caller that notes it before a
+        wait knows afterwards whether the breaker opened meanwhile."""
+        return self._openings
+
+    def allow(self) -> bool:
+        """Whether a call may go to the server now. Open: no, until the cooldown has
+        passed; then yes for exactly one caller (the half-open trial).
+
+        A trial whose caller never reported back (killed by a ``BaseException``)
+        does not keep the breaker half-open forever: after another cooldown a
+        new trial is granted.
+        """
+        with self._lock:
+            if self._state is BreakerState.CLOSED:
+                return True
+            now = self.clock()
+            if self._state is BreakerState.OPEN:
+                if now - self._opened_at < self.cooldown:
+                    return False
+                self._state = BreakerState.HALF_OPEN
+                self._trial_started = now
+                return True
+            if now - self._trial_started < self.cooldown:
+                return False  # a trial is in flight; everyone else still skips
+            self._trial_started = now
+            return True
+
+    def success(self) -> Transition:
+        with self._lock:
+            if self._state is BreakerState.HALF_OPEN:
+                self._state = BreakerState.CLOSED
+                self._failures = 0
+                return Transition.CLOSED
+            if self._state is BreakerState.CLOSED:
+                self._failures = 0
+            # OPEN: a call that began before the breaker opened; it proves
+            # little about now, so the cooldown runs its course.
+            return Transition.NONE
+
+    def failure(self) -> Transition:
+        with self._lock:
+            if self._state is BreakerState.HALF_OPEN:
+                self._open()
+                return Transition.OPENED
+            if self._state is BreakerState.CLOSED:
+                self._failures += 1
+                if self._failures >= self.threshold:
+                    self._open()
+                    return Transition.OPENED
+            # OPEN: a straggler from before the opening; the cooldown is not extended.
+            return Transition.NONE
+
+    def _open(self) -> None:
+        self._state = BreakerState.OPEN
+        self._opened_at = self.clock()
+        self._failures = 0
+        self._openings += 1
+
+    def __repr__(self) -> str:
+        return f"<CircuitBreaker {self.state.value} threshold={self.threshold}>"
