@@ -113,10 +113,16 @@ def engine_config(subject: str, dsn: str) -> dict[str, Any]:
 
 def register(subject: str, app: Flask, dsn: str, config: dict[str, Any] | None = None) -> None:
     """Add ``subject``'s ``POST /charges`` to ``app``; ``config`` overrides the
-    extension's ``IDEMPOTENCY_*`` settings."""
+    extension's ``IDEMPOTENCY_*`` settings, and its ``BENCH_CONNECT_ARGS`` are
+    added to the engine's (the round-trip test's counting connection)."""
     from flask_sqlalchemy import SQLAlchemy
 
-    app.config.update(engine_config(subject, dsn))
+    config = dict(config or {})
+    engine = engine_config(subject, dsn)
+    engine["SQLALCHEMY_ENGINE_OPTIONS"]["connect_args"].update(
+        config.pop("BENCH_CONNECT_ARGS", {})
+    )
+    app.config.update(engine)
     db = SQLAlchemy(app)
 
     def add_charge(amount: int, currency: str) -> int:
@@ -143,7 +149,7 @@ def register(subject: str, app: Flask, dsn: str, config: dict[str, Any] | None =
     app.config["IDEMPOTENCY_SCOPE_FUNC"] = global_scope
     if subject == EXTENSION_TXCLAIM:
         app.config["IDEMPOTENCY_CLAIM_MODE"] = "transaction"
-    app.config.update(config or {})
+    app.config.update(config)
     idempotency = Idempotency(app, db=db)
 
     @app.post(CHARGES_PATH)

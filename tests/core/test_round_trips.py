@@ -85,8 +85,8 @@ class CountingCursor(psycopg2.extensions.cursor):
 
 
 class CountingConnection(psycopg2.extensions.connection):
-    """Hands out counting cursors and counts ``commit()``/``rollback()``, which
-    psycopg2 sends without a cursor. ``trace`` is set on a per-test subclass."""
+    """Hands out counting cursors and counts ``commit()``/``rollback()`` that reach
+    the server, which psycopg2 sends without a cursor. ``trace`` is set on a per-test subclass."""
 
     trace: ClassVar[Trace]
 
@@ -95,12 +95,19 @@ class CountingConnection(psycopg2.extensions.connection):
         return super().cursor(*args, **kwargs)
 
     def commit(self) -> None:
-        self.trace.append(("pg", "connection.commit()"))
+        if self._sends_end():
+            self.trace.append(("pg", "connection.commit()"))
         super().commit()
 
     def rollback(self) -> None:
-        self.trace.append(("pg", "connection.rollback()"))
+        if self._sends_end():
+            self.trace.append(("pg", "connection.rollback()"))
         super().rollback()
+
+    def _sends_end(self) -> bool:
+        """psycopg2 sends COMMIT/ROLLBACK only inside a transaction it began (a pool's
+        reset of an idle connection costs no round trip)."""
+        return self.status == psycopg2.extensions.STATUS_BEGIN
 
 
 class CountingRedisConnection(redis.connection.Connection):
@@ -170,7 +177,8 @@ def _statement_kind(sql: str) -> str:
     if "idempotency_complete" in flat:
         return "complete+COMMIT" if flat.rstrip().endswith("COMMIT") else "complete"
     if "INSERT INTO bench_charges" in flat:
-        return "business INSERT"
+        # On db.session the attempt's BEGIN rides on the session's first statement.
+        return "BEGIN+business INSERT" if flat.startswith("BEGIN;") else "business INSERT"
     return flat
 
 
@@ -449,3 +457,37 @@ class TestTransactionClaimMode:
         ]
         _again, trace = subject.counted("tx-cached-2")
         assert kinds(trace) == ["GET"]
+
+
+@pytest.mark.skipif(find_spec("flask_sqlalchemy") is None, reason="needs Flask-SQLAlchemy")
+def test_on_db_session_the_first_request_is_as_many_round_trips_as_without(
+    clean_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Idempotency(app, db=db)``: the claim, the session's INSERT carrying the
+    attempt's BEGIN, the completion carrying the COMMIT. An app without
+    idempotency makes three too (BEGIN, INSERT, COMMIT); the claim is the
+    extension's one, as on the raw path, where the view's BEGIN is one of its own."""
+    monkeypatch.setenv("BENCH_DATABASE_URL", clean_db)  # the engine's DSN
+    prepare_database(clean_db, ["sqla-pg"])
+    trace: Trace = []
+    connection_class = type("Counting", (CountingConnection,), {"trace": trace})
+    app = create_app(
+        "sqla-pg",
+        {
+            "BENCH_CONNECT_ARGS": {"connection_factory": connection_class},
+            "IDEMPOTENCY_LEASE_RENEW_INTERVAL": 0,
+        },
+    )
+    subject = Subject(app, trace)
+    try:
+        assert subject.post("warm-up").status_code == 201
+        response, counted = subject.counted("sqla-first-1")
+        assert response.status_code == 201
+        assert kinds(counted) == ["claim", "BEGIN+business INSERT", "complete+COMMIT"]
+        replay, counted = subject.counted("sqla-first-1")
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        assert kinds(counted) == ["claim"]
+    finally:
+        app.extensions["idempotency"].close()
+        with app.app_context():
+            app.extensions["sqlalchemy"].engine.dispose()
