@@ -178,7 +178,11 @@ def _statement_kind(sql: str) -> str:
         return "complete+COMMIT" if flat.rstrip().endswith("COMMIT") else "complete"
     if "INSERT INTO bench_charges" in flat:
         # On db.session the attempt's BEGIN rides on the session's first statement.
-        return "BEGIN+business INSERT" if flat.startswith("BEGIN;") else "business INSERT"
+        # (a savepoint too, in the transaction claim mode, whose claim opened it).
+        for opening in ("BEGIN", "SAVEPOINT"):
+            if flat.startswith(opening + " ") or flat.startswith(opening + ";"):
+                return f"{opening}+business INSERT"
+        return "business INSERT"
     return flat
 
 
@@ -460,11 +464,27 @@ class TestTransactionClaimMode:
 
 
 @pytest.mark.skipif(find_spec("flask_sqlalchemy") is None, reason="needs Flask-SQLAlchemy")
+@pytest.mark.parametrize(
+    ("claim_mode", "first", "replay"),
+    [
+        ("row", ["claim", "BEGIN+business INSERT", "complete+COMMIT"], ["claim"]),
+        (
+            "transaction",
+            ["BEGIN+claim", "SAVEPOINT+business INSERT", "insert completed+COMMIT"],
+            ["BEGIN+claim", "ROLLBACK"],
+        ),
+    ],
+)
 def test_on_db_session_the_first_request_is_as_many_round_trips_as_without(
-    clean_db: str, monkeypatch: pytest.MonkeyPatch
+    clean_db: str,
+    monkeypatch: pytest.MonkeyPatch,
+    claim_mode: str,
+    first: list[str],
+    replay: list[str],
 ) -> None:
     """``Idempotency(app, db=db)``: the claim, the session's INSERT carrying the
-    attempt's BEGIN, the completion carrying the COMMIT. An app without
+    attempt's BEGIN (or, where the claim opened the transaction, the savepoint the
+    view's ``rollback()`` would return to), the completion carrying the COMMIT. An app without
     idempotency makes three too (BEGIN, INSERT, COMMIT); the claim is the
     extension's one, as on the raw path, where the view's BEGIN is one of its own."""
     monkeypatch.setenv("BENCH_DATABASE_URL", clean_db)  # the engine's DSN
@@ -476,6 +496,7 @@ def test_on_db_session_the_first_request_is_as_many_round_trips_as_without(
         {
             "BENCH_CONNECT_ARGS": {"connection_factory": connection_class},
             "IDEMPOTENCY_LEASE_RENEW_INTERVAL": 0,
+            "IDEMPOTENCY_CLAIM_MODE": claim_mode,
         },
     )
     subject = Subject(app, trace)
@@ -483,10 +504,10 @@ def test_on_db_session_the_first_request_is_as_many_round_trips_as_without(
         assert subject.post("warm-up").status_code == 201
         response, counted = subject.counted("sqla-first-1")
         assert response.status_code == 201
-        assert kinds(counted) == ["claim", "BEGIN+business INSERT", "complete+COMMIT"]
-        replay, counted = subject.counted("sqla-first-1")
-        assert replay.headers["Idempotent-Replayed"] == "true"
-        assert kinds(counted) == ["claim"]
+        assert kinds(counted) == first
+        replayed, counted = subject.counted("sqla-first-1")
+        assert replayed.headers["Idempotent-Replayed"] == "true"
+        assert kinds(counted) == replay
     finally:
         app.extensions["idempotency"].close()
         with app.app_context():
