@@ -9,6 +9,7 @@ real and checks that no development tool came with it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -49,10 +50,14 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on
 
 
 def make_dry_run(target: str, venv: Path) -> list[str]:
-    """The commands ``make <target>`` would run with ``VENV=venv``."""
+    """The commands ``make <target>`` would run with ``VENV=venv``. Run from a
+    ``make`` of its own (``make test``), a sub-make would announce its directory
+    and inherit the outer one's flags: neither."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     proc = subprocess.run(
-        ["make", "-n", target, f"VENV={venv}"],
+        ["make", "--no-print-directory", "-n", target, f"VENV={venv}"],
         cwd=REPO_ROOT,
+        env=env,
         capture_output=True,
         text=True,
         check=True,
