@@ -68,10 +68,7 @@ class EnginePool(Pool):
         self._renewal_lock = threading.Lock()
         self._slots_pid = -1
         self._slots: threading.Semaphore | None = None
-        #: The connect timeout of a connect made for one of our checkouts (this
-        #: thread's), applied by ``_bound_connect``; the app's own connects keep theirs.
-        self._connect_limit = threading.local()
-        sqlalchemy.event.listen(engine, "do_connect", self._bound_connect)
+        _bound_connects(engine.dialect)
 
     # -- request connections ---------------------------------------------------
 
@@ -85,22 +82,6 @@ class EnginePool(Pool):
             self._slots = threading.Semaphore(capacity[0]) if capacity and capacity[0] > 0 else None
             self._slots_pid = os.getpid()
         return self._slots
-
-    def _bound_connect(
-        self, dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]
-    ) -> None:
-        """``do_connect``: a connect for one of our checkouts ends by the checkout's
-        deadline (an engine with no ``connect_timeout`` would wait for ever behind a
-        frozen server: its kernel still accepts the TCP connection)."""
-        seconds = getattr(self._connect_limit, "seconds", None)
-        if seconds is None:
-            return
-        try:
-            given = float(cparams.get("connect_timeout") or 0)
-        except (TypeError, ValueError):
-            given = 0
-        if given <= 0 or given > seconds:
-            cparams["connect_timeout"] = seconds
 
     def _take_slot(self, checkout: Checkout | None) -> threading.Semaphore | None:
         """One of our slots (``None``: no count kept)."""
@@ -133,7 +114,11 @@ class EnginePool(Pool):
             if checkout is None:
                 return self._checkout()
             seconds = connect_timeout(checkout, None)
-            # The engine's checkout may connect: in a thread the request can give up on.
+            if _has_idle(self.engine.pool):
+                # The usual case, and the hot path: an idle connection, no connect. (If
+                # another thread takes it first, this connect still ends by its timeout.)
+                return self._checkout(seconds)
+            # The engine's checkout will connect: in a thread the request can give up on.
             return connect_within(lambda: self._checkout(seconds), checkout, self._give_back)
         except BaseException:
             if slots is not None:
@@ -154,11 +139,11 @@ class EnginePool(Pool):
             sa_conn.close()
 
     def _checkout(self, connect_seconds: int | None = None) -> Connection:
-        self._connect_limit.seconds = connect_seconds
+        _CONNECT_LIMIT.seconds = connect_seconds
         try:
             return self._checkout_now()
         finally:
-            self._connect_limit.seconds = None
+            _CONNECT_LIMIT.seconds = None
 
     def _checkout_now(self) -> Connection:
         try:
@@ -272,3 +257,42 @@ class EnginePool(Pool):
                     fairy.close()
                 except driver.ERRORS:
                     fairy.invalidate()
+
+
+#: The connect timeout of a connect made for one of the store's checkouts (this
+#: thread's), applied by ``_bound_connects``; the app's own connects keep theirs.
+_CONNECT_LIMIT = threading.local()
+
+
+def _has_idle(pool: Any) -> bool:
+    """Whether the engine's pool holds an idle connection (a ``QueuePool``'s
+    ``checkedin()``); a pool that does not say is taken to connect."""
+    checkedin = getattr(pool, "checkedin", None)
+    return callable(checkedin) and int(checkedin()) > 0
+
+
+def _bound_connects(dialect: Any) -> None:
+    """A connect for one of the store's checkouts ends by the checkout's deadline (an
+    engine with no ``connect_timeout`` would wait for ever behind a frozen server:
+    its kernel still accepts the TCP connection).
+
+    The dialect's ``connect`` is wrapped, once, rather than a ``do_connect`` event
+    listened to: any listener on the engine's dialect puts SQLAlchemy's event
+    dispatch on every statement the application executes."""
+    if getattr(dialect, "_idempotency_bound_connects", False):
+        return
+    connect = dialect.connect
+
+    def bounded_connect(*cargs: Any, **cparams: Any) -> Any:
+        seconds = getattr(_CONNECT_LIMIT, "seconds", None)
+        if seconds is not None:
+            try:
+                given = float(cparams.get("connect_timeout") or 0)
+            except (TypeError, ValueError):
+                given = 0
+            if given <= 0 or given > seconds:
+                cparams["connect_timeout"] = seconds
+        return connect(*cargs, **cparams)
+
+    dialect.connect = bounded_connect
+    dialect._idempotency_bound_connects = True
