@@ -28,8 +28,8 @@ from .observer import (
     RequestEvent,
     RequestOutcome,
 )
-from .request_log import LEVELS, TAKEOVER_LEVEL, log, log_event
-from .store.base import LeaseLostError, StoreUnavailableError
+from .request_log import BREAKER_REFUSAL_LEVEL, LEVELS, TAKEOVER_LEVEL, log, log_event
+from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
 
 #: Every counter, so a snapshot always has the same keys.
 NAMES = (
@@ -135,6 +135,10 @@ class Metrics:
         with self._lock:
             self._counts[name] += 1
         level = LEVELS[outcome]
+        if isinstance(error, BreakerOpenError) or isinstance(
+            getattr(error, "__cause__", None), BreakerOpenError
+        ):
+            level = BREAKER_REFUSAL_LEVEL  # the breaker said it once, as it opened
         if ctx is not None and ctx.takeover and level < TAKEOVER_LEVEL:
             level = TAKEOVER_LEVEL
         loud = log.isEnabledFor(level)

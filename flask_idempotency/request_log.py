@@ -10,6 +10,8 @@ Levels follow what an on-call engineer acts on:
   running (``in_progress``), a key reused with another request, a takeover of a
   dead holder's record, a lease lost to such a takeover;
 - ``WARNING``: PostgreSQL failed and the request was refused (``store_unavailable``);
+  one the store's open circuit breaker refused without trying is ``INFO``: the
+  breaker logs its opening and closing itself;
   a request refused for a missing or outdated schema is ``INFO``: the store logs
   that problem itself, once, as an ``ERROR`` naming the command that fixes it
   (``flask_idempotency.store``), rather than once per request;
@@ -57,6 +59,11 @@ LEVELS: dict[RequestOutcome, int] = {
 
 #: A takeover is worth an INFO line even when its request then went well.
 TAKEOVER_LEVEL = logging.INFO
+
+#: A request the store's open circuit breaker refused without trying PostgreSQL:
+#: the breaker logged its opening as a WARNING (``flask_idempotency.store``); a
+#: frozen server under load would otherwise write a WARNING per request.
+BREAKER_REFUSAL_LEVEL = logging.INFO
 
 
 def log_event(event: RequestEvent, level: int) -> None:

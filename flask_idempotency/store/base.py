@@ -20,6 +20,12 @@ class StoreUnavailableError(Exception):
     """The database could not be reached or failed: the request must not run."""
 
 
+class BreakerOpenError(StoreUnavailableError):
+    """Refused without trying PostgreSQL: the store's circuit breaker is open (or
+    opened while the request waited for a connection). The breaker logs its
+    opening once; each request it refuses is no news of its own."""
+
+
 class SchemaMismatchError(StoreUnavailableError):
     """The database answers but lacks the extension's schema, or part of it.
 

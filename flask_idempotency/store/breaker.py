@@ -26,7 +26,7 @@ from typing import Any
 from ..circuit import BreakerState, CircuitBreaker, Transition
 from ..observer import Observer
 from . import driver
-from .base import StoreUnavailableError
+from .base import BreakerOpenError
 from .driver import sqlstate
 from .errors import READ_ONLY_SQLSTATE, is_unreachable
 
@@ -59,7 +59,7 @@ class StoreBreaker:
         :meth:`opened_since`."""
         openings = self.circuit.openings
         if not self.circuit.allow():
-            raise StoreUnavailableError("PostgreSQL is not answering (store circuit breaker open)")
+            raise BreakerOpenError("PostgreSQL is not answering (store circuit breaker open)")
         return openings
 
     def opened_since(self, openings: int) -> bool:

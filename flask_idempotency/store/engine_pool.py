@@ -32,7 +32,7 @@ from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
 
 from . import driver
-from .base import StoreUnavailableError
+from .base import BreakerOpenError, StoreUnavailableError
 from .driver import for_dialect
 from .errors import connect_failure
 from .pool import (
@@ -101,7 +101,7 @@ class EnginePool(Pool):
         if taken:
             return slots
         if checkout is not None and checkout.abandoned():
-            raise StoreUnavailableError(ABANDONED)
+            raise BreakerOpenError(ABANDONED)
         if observer is not None:
             observer.pool_timeout()
         raise StoreUnavailableError("no free connection in db's pool")
@@ -110,7 +110,7 @@ class EnginePool(Pool):
         slots = self._take_slot(checkout)
         try:
             if checkout is not None and checkout.abandoned():
-                raise StoreUnavailableError(ABANDONED)
+                raise BreakerOpenError(ABANDONED)
             if checkout is None:
                 return self._checkout()
             seconds = connect_timeout(checkout, None)

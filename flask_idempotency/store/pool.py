@@ -31,7 +31,7 @@ import psycopg2.pool
 
 from ..observer import Observer
 from . import driver
-from .base import StoreUnavailableError
+from .base import BreakerOpenError, StoreUnavailableError
 from .driver import PSYCOPG2, Driver
 from .errors import connect_failure, is_unreachable
 
@@ -148,7 +148,7 @@ def connect_within(
                 if not done.is_set():
                     gave_up = True
                     if abandoned:
-                        raise StoreUnavailableError(ABANDONED)
+                        raise BreakerOpenError(ABANDONED)
                     raise NoAnswerError("no answer to the connect before the deadline")
     ok, value = outcome[0]
     if not ok:
@@ -274,13 +274,13 @@ class ConnectionPool(Pool):
             self._warn_wait()
             if not self._wait_for_slot(observer, checkout):
                 if checkout is not None and checkout.abandoned():
-                    raise StoreUnavailableError(ABANDONED)
+                    raise BreakerOpenError(ABANDONED)
                 if observer is not None:
                     observer.pool_timeout()
                 raise StoreUnavailableError("no free database connection in the pool")
         try:
             if checkout is not None and checkout.abandoned():
-                raise StoreUnavailableError(ABANDONED)
+                raise BreakerOpenError(ABANDONED)
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None or conn.closed:
