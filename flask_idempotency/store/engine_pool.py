@@ -113,13 +113,12 @@ class EnginePool(Pool):
                 raise BreakerOpenError(ABANDONED)
             if checkout is None:
                 return self._checkout()
-            seconds = connect_timeout(checkout, None)
             if _has_idle(self.engine.pool):
                 # The usual case, and the hot path: an idle connection, no connect. (If
                 # another thread takes it first, this connect still ends by its timeout.)
-                return self._checkout(seconds)
+                return self._checkout(checkout)
             # The engine's checkout will connect: in a thread the request can give up on.
-            return connect_within(lambda: self._checkout(seconds), checkout, self._give_back)
+            return connect_within(lambda: self._checkout(checkout), checkout, self._give_back)
         except BaseException:
             if slots is not None:
                 slots.release()
@@ -138,12 +137,12 @@ class EnginePool(Pool):
             sa_conn.invalidate()
             sa_conn.close()
 
-    def _checkout(self, connect_seconds: int | None = None) -> Connection:
-        _CONNECT_LIMIT.seconds = connect_seconds
+    def _checkout(self, checkout: Checkout | None = None) -> Connection:
+        _CONNECT_LIMIT.checkout = checkout
         try:
             return self._checkout_now()
         finally:
-            _CONNECT_LIMIT.seconds = None
+            _CONNECT_LIMIT.checkout = None
 
     def _checkout_now(self) -> Connection:
         try:
@@ -259,8 +258,8 @@ class EnginePool(Pool):
                     fairy.invalidate()
 
 
-#: The connect timeout of a connect made for one of the store's checkouts (this
-#: thread's), applied by ``_bound_connects``; the app's own connects keep theirs.
+#: The store's checkout this thread is making, if any: a connect it needs ends by
+#: the checkout's deadline (``_bound_connects``); the app's own connects keep theirs.
 _CONNECT_LIMIT = threading.local()
 
 
@@ -284,7 +283,8 @@ def _bound_connects(dialect: Any) -> None:
     connect = dialect.connect
 
     def bounded_connect(*cargs: Any, **cparams: Any) -> Any:
-        seconds = getattr(_CONNECT_LIMIT, "seconds", None)
+        checkout = getattr(_CONNECT_LIMIT, "checkout", None)
+        seconds = connect_timeout(checkout, None) if checkout is not None else None
         if seconds is not None:
             try:
                 given = float(cparams.get("connect_timeout") or 0)
