@@ -39,6 +39,11 @@ from support.servers import (
     flush_redis,
     truncate_public_tables,
 )
+from support.xdist_worker import isolate_worker
+
+# Under pytest-xdist, a database and a Redis db of this worker's own (before anything
+# reads DATABASE_URL / REDIS_URL): the per-test resets would empty another worker's.
+isolate_worker()
 
 # The run's PostgreSQL server, as pytest-postgresql sees it: without DATABASE_URL
 # its process fixture starts one from pgserver's binaries (support/postgres_proc.py:
@@ -244,3 +249,27 @@ def make_app(clean_db: str) -> Iterator[Any]:
     yield make
     for app in apps:
         app.extensions["idempotency"].close()
+
+
+# ---------------------------------------------------------------------------
+# pytest-xdist scheduling (``make test`` runs ``-n 3 --dist loadgroup``).
+# ---------------------------------------------------------------------------
+
+#: Folders whose tests run on one worker, one after the other: the reliability
+#: tests share a session-wide stack (four gunicorn workers and a processor), so one
+#: worker starts one stack instead of each worker its own on 2 cores.
+SERIAL_FOLDERS = {"reliability": "reliability"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests of ``SERIAL_FOLDERS`` with their ``xdist_group``."""
+    tests_dir = config.rootpath / "tests"
+    for item in items:
+        try:
+            folder = item.path.relative_to(tests_dir).parts[0]
+        except ValueError:
+            continue
+        group = SERIAL_FOLDERS.get(folder)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
