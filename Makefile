@@ -16,10 +16,11 @@ EXAMPLE_STAMP := $(VENV)/.installed-example
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-x -k proxy"`.
 PYTEST_ARGS ?=
 # `make test` runs on pytest-xdist workers: most tests wait on gunicorn, PostgreSQL
-# or sleeps, not on the CPU, so 3 workers beat 2 cores' worth. Each worker has a
-# database and a Redis db of its own (tests/support/xdist_worker.py); tests marked
-# xdist_group share one worker (--dist loadgroup). PYTEST_WORKERS=0 runs serially.
-PYTEST_WORKERS ?= 3
+# or sleeps, not on the CPU, so 4 workers beat 2 cores (the main pass: 10 min
+# serially, 6 with -n 4). Each worker has a
+# database and a Redis db of its own (tests/support/xdist_worker.py); the reliability
+# tests share one worker (--dist loadgroup, tests/conftest.py). PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 4
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
 .PHONY: venv test test-transaction-mode test-fast test-reliability test-topologies lint run bench docs clean distclean

@@ -252,7 +252,7 @@ def make_app(clean_db: str) -> Iterator[Any]:
 
 
 # ---------------------------------------------------------------------------
-# pytest-xdist scheduling (``make test`` runs ``-n 3 --dist loadgroup``).
+# pytest-xdist scheduling (``make test`` runs ``-n 4 --dist loadgroup``).
 # ---------------------------------------------------------------------------
 
 #: Folders whose tests run on one worker, one after the other: the reliability
