@@ -39,6 +39,11 @@ from support.servers import (
     flush_redis,
     truncate_public_tables,
 )
+from support.xdist_worker import isolate_worker
+
+# Under pytest-xdist, a database and a Redis db of this worker's own (before anything
+# reads DATABASE_URL / REDIS_URL): the per-test resets would empty another worker's.
+isolate_worker()
 
 # The run's PostgreSQL server, as pytest-postgresql sees it: without DATABASE_URL
 # its process fixture starts one from pgserver's binaries (support/postgres_proc.py:
@@ -244,3 +249,35 @@ def make_app(clean_db: str) -> Iterator[Any]:
     yield make
     for app in apps:
         app.extensions["idempotency"].close()
+
+
+# ---------------------------------------------------------------------------
+# pytest-xdist scheduling (``make test`` runs ``-n 4 --dist loadgroup``).
+# ---------------------------------------------------------------------------
+
+#: Folders whose tests run on one worker, one after the other: the reliability
+#: tests share a session-wide stack (four gunicorn workers and a processor), so one
+#: worker starts one stack instead of each worker its own on 2 cores.
+SERIAL_FOLDERS = {"reliability": "reliability"}
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``, with the tests of ``SERIAL_FOLDERS`` in one group each.
+
+    A scheduler rather than ``xdist_group`` marks: pytest-xdist 3.8 groups by
+    rewriting ``item._nodeid``, which pytest 9.2 no longer reads, so its marks
+    group nothing there.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling  # type: ignore[import-untyped]
+
+    class FolderGroupScheduling(LoadGroupScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            parts = nodeid.split("/", 2)
+            if len(parts) == 3 and parts[0] == "tests" and parts[1] in SERIAL_FOLDERS:
+                return SERIAL_FOLDERS[parts[1]]
+            return str(super()._split_scope(nodeid))
+
+    return FolderGroupScheduling(config, log)

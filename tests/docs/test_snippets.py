@@ -129,6 +129,14 @@ def test_quickstart(
 def test_readme_quickstart(
     tmp_path: Path, page_env: dict[str, str], fresh_database_url: str
 ) -> None:
+    # The README's `sleep 2` is a reader's guess at `flask run`'s start-up; on a loaded
+    # 2-core CI (the suite runs on xdist workers) it may be short: wait for the port,
+    # at most 60 s, instead. The requests that follow are the README's own.
+    port = page_env["port"]
+    page_env["sleep 2\n"] = (
+        f"for _ in $(seq 300); do (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && break;"
+        " sleep 0.2; done\n"
+    )
     page = make_page(ROOT / "README.md", tmp_path, page_env)
     try:
         page.run("Quickstart")

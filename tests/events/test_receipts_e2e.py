@@ -276,26 +276,43 @@ def test_a_broker_connection_cut_mid_stream_loses_nothing(
     svc.consumer("consumer-b")
     svc.relay()
 
+    run = "cut-" + secrets.token_hex(3)
+
+    def relay_retries() -> int:
+        return svc.log("relay").count("retrying in")
+
+    def consumer_reconnects() -> int:
+        return sum(
+            svc.log(name).count("broker unavailable") for name in ("consumer-a", "consumer-b")
+        )
+
     def outage() -> None:
-        time.sleep(1.5)
+        """Cut now; restore when both sides saw it, after 2 s at least and 30 s at most
+        (then the assertions below fail)."""
         proxy.cut()
-        time.sleep(2.0)
+        cut_at = time.monotonic()
+        while time.monotonic() < cut_at + 30 and not (
+            time.monotonic() >= cut_at + 2.0 and relay_retries() >= 1 and consumer_reconnects() >= 2
+        ):
+            time.sleep(0.1)
         proxy.restore()
 
+    # Events flow before the cut: the relay and the consumers take seconds to start on a
+    # busy machine, and a cut at a fixed time raced them (nothing left to relay by then).
+    charge_ids = create_charges(api.url, 10, run, pace=0.06)
+    published = "SELECT count(*) FROM idempotency_outbox WHERE published_at IS NOT NULL"
+    wait_until(lambda: query(clean_db, published)[0][0] > 0, 60, "a first publish")
     thread = threading.Thread(target=outage)
     thread.start()
-    try:
-        charge_ids = create_charges(api.url, 60, "cut-" + secrets.token_hex(3), pace=0.06)
+    try:  # the other 50 during the cut
+        charge_ids += create_charges(api.url, 50, run + "-cut", pace=0.06)
     finally:
-        thread.join(30)
+        thread.join(60)
     settle(clean_db, len(charge_ids))
     figures = check_exactly_one_receipt_per_charge(clean_db, charge_ids, amqp_url, env)
-    relay_retries = svc.log("relay").count("retrying in")
-    consumer_reconnects = sum(
-        svc.log(name).count("broker unavailable") for name in ("consumer-a", "consumer-b")
-    )
-    figures |= {"relay_retries": relay_retries, "consumer_reconnects": consumer_reconnects}
+    retries, reconnects = relay_retries(), consumer_reconnects()
+    figures |= {"relay_retries": retries, "consumer_reconnects": reconnects}
     print(f"{figures} in {time.monotonic() - started:.1f} s")
     # Both sides saw the outage and came back by themselves (no process restarted).
-    assert relay_retries >= 1 and consumer_reconnects >= 2
+    assert retries >= 1 and reconnects >= 2
     assert all(proc.poll() is None for proc in svc.procs.values())

@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from support.xdist_worker import worker_redis_db
+
 from .figures import REPORTED, Figures
 from .fixtures import api_key, run_id, time_limited, write_figures
 from .stack import Stack, StackOptions, drop_stale_databases, own_database, running_stack
@@ -26,8 +28,9 @@ from .stack import Stack, StackOptions, drop_stale_databases, own_database, runn
 #: the CI job's whole time budget.
 TEST_TIME_LIMIT = 180.0
 
-#: Redis logical database of the stacks on the run's Redis (see ``stack_redis_url``).
-REDIS_DB = 14
+#: Redis logical database of the stacks on the run's Redis (see ``stack_redis_url``);
+#: each xdist worker counts down from it (the workers' own dbs count up from REDIS_URL's).
+REDIS_DB = 14 - worker_redis_db(0)
 
 
 @pytest.fixture

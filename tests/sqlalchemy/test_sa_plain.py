@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from flask import Flask, request
-from sa_app import Transfer, count_elsewhere
+from sa_app import Base, Transfer, count_elsewhere
 from sa_harness import *  # noqa: F403  (the fixtures, used by name)
 from sa_harness import API_KEY, new_label, rows
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
@@ -25,6 +25,10 @@ from flask_idempotency import Idempotency
 @pytest.fixture
 def plain_app(dialect_url: str) -> Iterator[Flask]:
     engine = sa.create_engine(dialect_url, pool_size=2, max_overflow=2)
+    # Its own tables: on a fresh database (an xdist worker's) no sa_app ran before it.
+    with engine.begin() as conn:
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(4343)"))
+        Base.metadata.create_all(conn)
     sessions: scoped_session[Session] = scoped_session(sessionmaker(bind=engine))
     app = Flask(__name__)
     app.config["IDEMPOTENCY_AUTO_MIGRATE"] = True

@@ -37,6 +37,7 @@ DEV_TOOLS = frozenset(
         "build",
         "pytest",
         "pytest-postgresql",
+        "pytest-xdist",
         "hypothesis",
         "import-linter",
         "cryptography",
