@@ -93,10 +93,13 @@ DECISION = 1.0
 RACE_WINDOW = 0.5
 #: How long the API may take to charge again once the new primary takes writes.
 RECOVERY_LIMIT = 10.0
-AFTER = 2.0
+AFTER = 3.0
 #: From the first new charge on the new primary, every request must be served: no
-#: worker may keep failing on connections to the old one.
-SETTLE = 0.5
+#: worker may keep failing on connections to the old one. Each worker's store
+#: breaker opened during the outage and lets one probe through per cooldown (the
+#: default 1 s), so a worker may refuse for up to one cooldown after another
+#: worker's first charge; then none may.
+SETTLE = 1.0 + 0.5
 
 #: What the API may answer at any time here: a charge (new or replayed), a
 #: fail-closed 503, or a 409 for a duplicate of a key still running.
