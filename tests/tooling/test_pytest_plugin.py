@@ -277,8 +277,10 @@ def test_as_root_without_a_usable_pg_ctl_the_failure_is_one_line(
     pg_ctl = private / "pg_ctl"
     shutil.copy2(find_bindir() / "pg_ctl", pg_ctl)  # the binary, where only root goes
     user_project.makepyfile(test_db="def test_needs_the_database(idempotency_dsn):\n    pass\n")
+    # -rN: no short summary, which repeats the message untruncated where pytest
+    # sees a CI environment ($CI) and cut to the terminal's width elsewhere.
     result = user_project.runpytest_subprocess(
-        "-p", "no:cacheprovider", f"--postgresql-exec={pg_ctl}", timeout=120
+        "-p", "no:cacheprovider", "-rN", f"--postgresql-exec={pg_ctl}", timeout=120
     )
     result.assert_outcomes(errors=1)
     output = result.stdout.str()
