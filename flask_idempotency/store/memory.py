@@ -36,6 +36,7 @@ from .base import (
     State,
     StoredResponse,
 )
+from .handle import RequestHandle
 from .sql import new_token
 
 #: The URL that selects this store.
@@ -298,18 +299,14 @@ class MemoryStore:
             self._records.clear()
 
 
-class MemoryRequest:
+class MemoryRequest(RequestHandle):
     """One request's handle on the memory store: the claim, then complete or release.
     There is no transaction: a release forgets the claim, and the view's own writes
-    (kept elsewhere) are the view's to undo."""
-
-    #: The keeper renews the claim's lease while the view runs, as in row mode.
-    holds_lease = True
-    in_transaction = False
+    (kept elsewhere) are the view's to undo. The keeper renews the claim's lease
+    while the view runs, as in row mode (``holds_lease``)."""
 
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
-        self.has_progress = False
 
     def claim(
         self,

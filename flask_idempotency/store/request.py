@@ -30,6 +30,7 @@ from .base import (
 from .breaker import StoreBreaker
 from .driver import Driver, sqlstate
 from .errors import is_unreachable
+from .handle import RequestHandle
 from .pool import Checkout, Connection, NoAnswerError, Pool
 from .schema import mismatch
 from .sql import (
@@ -78,7 +79,7 @@ def answered(what: str, exc: BaseException) -> StoreUnavailableError:
     return mismatch(exc) or StoreUnavailableError(f"{what} failed: {type(exc).__name__}")
 
 
-class PostgresRequest:
+class PostgresRequest(RequestHandle):
     """One request's connection, from claim to completion or release.
 
     The connection is in autocommit mode; when the view asks for it, an explicit
@@ -90,35 +91,15 @@ class PostgresRequest:
     def __init__(self, store: RequestStore) -> None:
         self._store = store
         self._conn: Connection | None = None
-        self._in_transaction = False
         #: One of our statements got no answer before its deadline: PostgreSQL is
         #: not answering, so the release does not wait on a new connection too.
         self._unresponsive = False
         #: A transaction-mode claim's request, kept for the completed record.
         self._claimed: tuple[bytes, float] | None = None
-        #: The record holds committed recovery points (claimed with them, or one
-        #: committed since): a release keeps it for the next attempt to resume.
-        self.has_progress = False
         #: Statements that open the next stretch of the transaction (its ``BEGIN``,
         #: a joined session's savepoint), sent ahead of whatever goes next, in its
         #: round trip (``defer``).
         self._deferred: str | None = None
-
-    #: Whether the claim is a processing row whose lease the keeper must renew
-    #: (row mode); a transaction-mode claim lives and dies with its session.
-    holds_lease = True
-
-    def claim(
-        self,
-        record_key: bytes,
-        fingerprint: bytes,
-        *,
-        lease: float,
-        ttl: float,
-        recovery: bytes | None = None,
-    ) -> ClaimResult:
-        """Claim ``record_key`` for this request, or read who has it."""
-        raise NotImplementedError
 
     def _acquire(self, until: float | None = None) -> Connection:
         """This request's connection, taken from the pool if it has none: at once
@@ -150,12 +131,6 @@ class PostgresRequest:
         if left <= 0:
             raise StoreUnavailableError("the claim's deadline passed before it was sent")
         return min(self._store.deadline, left)
-
-    @property
-    def in_transaction(self) -> bool:
-        """Whether this request's transaction is open (a claim in transaction mode,
-        or the view's first use of its connection)."""
-        return self._in_transaction
 
     def held_connection_or_none(self) -> Connection | None:
         """The connection this request holds right now, if any."""
