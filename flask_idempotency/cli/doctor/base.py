@@ -96,3 +96,28 @@ def worst(statuses: list[str]) -> str:
 def seconds(value: float) -> str:
     """``30 s``, ``1.5 s``, ``86400 s``: durations as the settings spell them."""
     return f"{value:g} s"
+
+
+def ping(
+    name: str,
+    server: str,
+    call: Callable[[], object],
+    *,
+    reason: Callable[[Exception], str],
+    fix: str,
+    status: str = FAIL,
+    errors: type[Exception] | tuple[type[Exception], ...] = Exception,
+) -> Check:
+    """The check that a server answers: ``call()`` (the ping, and whatever it must
+    connect or build first), timed. ``ok`` with the round trip in milliseconds; an
+    exception of ``errors`` is a ``status`` line (``fail``, or ``warn`` for a server
+    the app does without), ``"<server> does not answer"`` followed by what
+    ``reason(exc)`` says of it. Any other exception is left to the runner's own
+    ``fail`` line, as any check's is."""
+    started = time.monotonic()
+    try:
+        call()
+    except errors as exc:
+        return Check(name, status, f"{server} does not answer{reason(exc)}", fix)
+    ms = (time.monotonic() - started) * 1000
+    return Check(name, OK, f"{server} answers ({ms:.0f} ms)")

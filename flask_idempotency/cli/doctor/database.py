@@ -9,13 +9,12 @@ what a new session of this role in this database starts with, before any
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ...store.base import StoreUnavailableError
 from ...store.diagnostics import AUTOVACUUM, SERVER_CLOCK, SERVER_SIDE, SESSION_TIMEOUTS
 from ...store.schema import FIX
-from .base import FAIL, OK, WARN, Check, Context, seconds
+from .base import FAIL, OK, WARN, Check, Context, ping, seconds
 from .routes import longest_lease, shortest_lease
 
 #: Dead rows over this share of the records table: autovacuum is behind its churn.
@@ -34,18 +33,14 @@ SKEW_WARN = 1.0
 
 
 def database(ctx: Context) -> Check:
-    started = time.monotonic()
-    try:
-        ctx.store.ping()
-    except StoreUnavailableError as exc:
-        return Check(
-            "database",
-            FAIL,
-            f"PostgreSQL does not answer: {exc} (the checks that need it are skipped)",
-            "check IDEMPOTENCY_DATABASE_URL (or db's engine URL) and the server",
-        )
-    ms = (time.monotonic() - started) * 1000
-    return Check("database", OK, f"PostgreSQL answers ({ms:.0f} ms)")
+    return ping(
+        "database",
+        "PostgreSQL",
+        lambda: ctx.store.ping(),
+        reason=lambda exc: f": {exc} (the checks that need it are skipped)",
+        fix="check IDEMPOTENCY_DATABASE_URL (or db's engine URL) and the server",
+        errors=StoreUnavailableError,
+    )
 
 
 def schema(ctx: Context) -> Check:
