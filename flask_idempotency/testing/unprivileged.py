@@ -9,6 +9,10 @@ directory and log it is given to a directory that account owns (leaving an
 empty directory where pytest-postgresql expects its data). When that cannot
 work (no such account, or the account cannot reach the binaries) the plugin
 says so in one line, with the option that avoids starting a server at all.
+
+flask-idempotency's own test suite starts its run-wide server through the same
+wrapper (tests/support/postgres_proc.py), with the two options of
+:func:`wrapper_for` that the plugin leaves off.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ USE_A_SERVER = (
 
 # Runs as root, becomes the account and execs the real pg_ctl, with the data
 # directory and log (under pytest's 0700 temporary directory) replaced by the
-# same names in a directory of the account's own, one per original parent.
+# same names in a directory of the account's own, one per original parent;
+# INITDB_OPTIONS and CLEAN_ENV are wrapper_for's initdb_options and clean_environment.
 _SHIM = """\
 import hashlib, os, sys
 
 REAL, UID, GID, HOMES = {real!r}, {uid}, {gid}, {homes!r}
+INITDB_OPTIONS, CLEAN_ENV = {initdb_options!r}, {clean_env!r}
 
 
 def relocate(path, create_marker):
@@ -60,12 +66,19 @@ while i < len(args):
         is_data = args[i] in ("-D", "--pgdata")
         out.append(relocate(args[i + 1], create_marker=is_data and command == "initdb"))
         i += 1
+    elif INITDB_OPTIONS and args[i] == "-o" and command == "initdb" and i + 1 < len(args):
+        out.append(args[i + 1] + " " + INITDB_OPTIONS)
+        i += 1
     i += 1
+env = dict(os.environ)
+if CLEAN_ENV:
+    env = dict((k, v) for k, v in env.items() if not k.startswith("PG"))
+    env.update(LC_ALL="C", LC_CTYPE="C", LANG="C")
 os.setgroups([])
 os.setgid(GID)
 os.setuid(UID)
 os.chdir(HOMES)
-os.execv(REAL, [REAL] + out)
+os.execve(REAL, [REAL] + out, env)
 """
 
 
@@ -141,9 +154,19 @@ def can_run(path: Path, runs_as: Account) -> bool:
     return True
 
 
-def wrapper_for(pg_ctl: str, workdir: Path) -> str:
+def wrapper_for(
+    pg_ctl: str, workdir: Path, *, initdb_options: str = "", clean_environment: bool = False
+) -> str:
     """An executable in ``workdir`` (made here) that runs ``pg_ctl`` as :func:`account`;
-    ``CannotRunUnprivileged`` when it could not."""
+    ``CannotRunUnprivileged`` when it could not.
+
+    The plugin passes neither option, so that pg_ctl runs as pytest-postgresql
+    asked. ``initdb_options`` is added to the options ``pg_ctl initdb`` hands initdb
+    (its ``-o``), e.g. ``"--encoding=UTF8 --locale=C"`` for a cluster that does not
+    depend on the machine's locales. ``clean_environment`` runs pg_ctl (and so
+    initdb and the server) without the ``PG*`` variables, which point tools at some
+    other cluster, and in the C locale, which every machine has, instead of the
+    locale pytest-postgresql sets."""
     runs_as = account()
     real = Path(pg_ctl).resolve()
     if not can_run(real, runs_as):
@@ -158,7 +181,14 @@ def wrapper_for(pg_ctl: str, workdir: Path) -> str:
     os.chown(homes, runs_as.uid, runs_as.gid)
     shim = workdir / "pg_ctl_as_user.py"
     shim.write_text(
-        _SHIM.format(real=str(real), uid=runs_as.uid, gid=runs_as.gid, homes=str(homes))
+        _SHIM.format(
+            real=str(real),
+            uid=runs_as.uid,
+            gid=runs_as.gid,
+            homes=str(homes),
+            initdb_options=initdb_options,
+            clean_env=clean_environment,
+        )
     )
     wrapper = workdir / "pg_ctl"
     python = shlex.quote(sys.executable)

@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 
 from support._procs import log_tail, spawn, stop_process
+from support.pg_query import query
 from support.waiting import wait_until
 
 #: What ``from celery_harness import *`` gives a test module: the fixtures.
@@ -158,17 +158,6 @@ def celery_client(celery_env: dict[str, str]) -> Iterator[Any]:
     )
     yield app
     app.close()
-
-
-def query(database_url: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(database_url)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 def wait_for_rows(

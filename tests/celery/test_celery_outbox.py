@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 from celery_harness import *  # noqa: F403  (the fixtures, used by name)
-from celery_harness import query, wait_for_rows
+from celery_harness import wait_for_rows
 from events import app as events_app
 from flask import Flask
 
 from flask_idempotency.celery import TaskPublisher
 from flask_idempotency.events import OutboxEvent, Relay
+from support.pg_query import query
 
 
 @pytest.fixture

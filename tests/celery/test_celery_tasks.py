@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 from celery_harness import *  # noqa: F403  (the fixtures, used by name)
-from celery_harness import CeleryWorker, query, wait_for_rows
+from celery_harness import CeleryWorker, wait_for_rows
 
 from flask_idempotency.celery import TaskKeyReused
+from support.pg_query import query
 
 MakeWorker = Callable[..., CeleryWorker]
 RESULT_TIMEOUT = 30.0

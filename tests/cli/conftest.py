@@ -9,14 +9,13 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
-from typing import Any
 
-import psycopg2
 import pytest
 from click.testing import Result
 from flask import Flask
 
 from flask_idempotency.recovery import PAYLOAD_VERSION
+from support.pg_query import query
 
 from .app import create_app
 
@@ -44,23 +43,12 @@ SELECT 'evt_cli_' || i, 'cli.tested', jsonb_build_object('n', i), now() + interv
 """
 
 
-def execute(database_url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(database_url)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
-
-
 def count(database_url: str, table: str = "idempotency_records") -> int:
-    return int(execute(database_url, f"SELECT count(*) FROM {table}")[0][0])
+    return int(query(database_url, f"SELECT count(*) FROM {table}")[0][0])
 
 
 def seed_expired(database_url: str, n: int) -> None:
-    execute(database_url, SEED_EXPIRED, (n,))
+    query(database_url, SEED_EXPIRED, (n,))
 
 
 def seed_abandoned(database_url: str, n: int) -> None:
@@ -75,11 +63,11 @@ def seed_abandoned(database_url: str, n: int) -> None:
         "body": base64.b64encode(b"{}").decode("ascii"),
         "data": None,
     }
-    execute(database_url, SEED_ABANDONED, (json.dumps(payload).encode(), n))
+    query(database_url, SEED_ABANDONED, (json.dumps(payload).encode(), n))
 
 
 def seed_events(database_url: str, n: int) -> None:
-    execute(database_url, SEED_EVENTS, (n,))
+    query(database_url, SEED_EVENTS, (n,))
 
 
 def run(app: Flask, *args: str, input: str | None = None) -> Result:

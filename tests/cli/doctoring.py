@@ -1,4 +1,4 @@
-"""Helpers of the doctor's tests: an app, its diagnosis by check name, SQL as postgres."""
+"""Helpers of the doctor's tests: an app, and its diagnosis by check name."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import psycopg2
 from flask import Flask
 
 from flask_idempotency import Idempotency, global_scope
@@ -44,17 +43,6 @@ def check(app: Flask, name: str, **options: Any) -> Check:
 def doctor(app: Flask, *args: str) -> tuple[int, str]:
     result = app.test_cli_runner().invoke(args=["idempotency", "doctor", *args])
     return result.exit_code, result.output
-
-
-def sql(database_url: str, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(database_url)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(statement, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 def migrated(app: Flask) -> Flask:

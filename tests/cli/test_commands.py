@@ -6,26 +6,18 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import psycopg2
 import pytest
 from flask import Flask
 
 from flask_idempotency import global_scope
 from flask_idempotency.store import migrations
+from support.pg_query import query
 
 MakeApp = Callable[..., Flask]
 
 
 def run(app: Flask, *args: str) -> Any:
     return app.test_cli_runner().invoke(args=["idempotency", *args])
-
-
-def execute(database_url: str, query: str) -> list[tuple[Any, ...]]:
-    with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
-        cur.execute(query)
-        rows = cur.fetchall() if cur.description else []
-    conn.close()
-    return rows
 
 
 def charge(app: Flask, key: str, auth: str = "Bearer sk_1", **body: Any) -> Any:
@@ -54,9 +46,7 @@ def test_migrate_is_idempotent_and_safe_in_parallel(make_app: MakeApp, database_
         t.join()
     assert errors == []
     names = {n for n, _ in migrations.package_migrations()}
-    applied = {
-        r[0] for r in execute(database_url, "SELECT name FROM idempotency_schema_migrations")
-    }
+    applied = {r[0] for r in query(database_url, "SELECT name FROM idempotency_schema_migrations")}
     assert names <= applied
 
 
@@ -64,18 +54,18 @@ def test_purge_deletes_expired_records_in_batches(make_app: MakeApp, database_ur
     app = make_app()
     for i in range(7):
         charge(app, f"key-{i}")
-    execute(
+    query(
         database_url,
         "UPDATE idempotency_records SET expires_at = now() - interval '1 minute'"
         " WHERE record_key IN (SELECT record_key FROM idempotency_records LIMIT 5)",
     )
     dry = run(app, "purge", "--dry-run")
     assert "5 expired record(s) would be deleted" in dry.output
-    assert execute(database_url, "SELECT count(*) FROM idempotency_records") == [(7,)]
+    assert query(database_url, "SELECT count(*) FROM idempotency_records") == [(7,)]
     result = run(app, "purge", "--batch-size", "2")
     assert result.exit_code == 0
     assert "5 expired record(s) deleted" in result.output
-    assert execute(database_url, "SELECT count(*) FROM idempotency_records") == [(2,)]
+    assert query(database_url, "SELECT count(*) FROM idempotency_records") == [(2,)]
     assert run(app, "purge", "--batch-size", "0").exit_code != 0
 
 
@@ -98,7 +88,7 @@ def test_show_prints_state_and_body_only_on_request(make_app: MakeApp) -> None:
 def test_unlock_releases_a_stuck_processing_record(make_app: MakeApp, database_url: str) -> None:
     app = make_app()
     charge(app, "stuck")
-    execute(database_url, "UPDATE idempotency_records SET state = 'processing', lock_token = 1")
+    query(database_url, "UPDATE idempotency_records SET state = 'processing', lock_token = 1")
     assert charge(app, "stuck").status_code == 409
     result = run(app, "unlock", "stuck", "--authorization", "Bearer sk_1")
     assert result.exit_code == 0, result.output
@@ -120,7 +110,7 @@ def test_stats_and_metrics_count_what_happened(make_app: MakeApp, database_url: 
     charge(app, "a")
     charge(app, "a", amount=2)
     charge(app, "b", status=500)
-    execute(
+    query(
         database_url,
         "INSERT INTO idempotency_records (record_key, fingerprint, state, lock_token,"
         " lease_expires_at, expires_at) VALUES ('\\x01', '\\x02', 'processing', 1,"
@@ -177,10 +167,10 @@ def test_show_and_unlock_find_the_example_apps_records_by_authorization(
     other = run(example_app, "show", "order-1", "--authorization", "Bearer sk_test_other")
     assert other.exit_code != 0 and "no record" in other.output
 
-    execute(clean_db, "UPDATE idempotency_records SET state = 'processing', lock_token = 1")
+    query(clean_db, "UPDATE idempotency_records SET state = 'processing', lock_token = 1")
     unlocked = run(example_app, "unlock", "order-1", "--authorization", "Bearer sk_test_cli")
     assert unlocked.exit_code == 0, unlocked.output
-    assert execute(clean_db, "SELECT count(*) FROM idempotency_records") == [(0,)]
+    assert query(clean_db, "SELECT count(*) FROM idempotency_records") == [(0,)]
 
 
 def test_show_says_when_the_scope_function_finds_no_principal(example_app: Flask) -> None:

@@ -10,8 +10,9 @@ import pytest
 from flask import Flask
 
 from flask_idempotency.cli import prompts as cli_confirm
+from support.pg_query import query
 
-from .conftest import count, execute, run, seed_expired
+from .conftest import count, run, seed_expired
 
 LIVE_LEASE = """
 UPDATE idempotency_records
@@ -74,7 +75,7 @@ def test_unlock_of_a_record_whose_lease_is_renewed_asks_on_a_terminal(
     cli_app: Flask, clean_db: str
 ) -> None:
     pay(cli_app, "in-flight")
-    execute(clean_db, LIVE_LEASE)
+    query(clean_db, LIVE_LEASE)
     declined = run(cli_app, "unlock", "in-flight", input="n\n")
     assert declined.exit_code == 1
     assert "is in flight" in declined.stderr and "payment can be made twice" in declined.stderr
@@ -89,7 +90,7 @@ def test_unlock_of_a_record_whose_lease_is_renewed_asks_on_a_terminal(
 
 def test_unlock_of_a_live_record_off_a_terminal_needs_yes(cli_app: Flask, clean_db: str) -> None:
     pay(cli_app, "in-flight")
-    execute(clean_db, LIVE_LEASE)
+    query(clean_db, LIVE_LEASE)
     refused = run(cli_app, "unlock", "in-flight")
     assert refused.exit_code == 2
     assert "is in flight" in refused.output and "give --yes" in refused.output
@@ -102,8 +103,8 @@ def test_unlock_of_a_live_record_off_a_terminal_needs_yes(cli_app: Flask, clean_
 @pytest.mark.usefixtures("terminal")
 def test_unlock_of_a_record_whose_holder_died_does_not_ask(cli_app: Flask, clean_db: str) -> None:
     pay(cli_app, "stuck")
-    execute(clean_db, LIVE_LEASE)
-    execute(clean_db, DEAD_LEASE)
+    query(clean_db, LIVE_LEASE)
+    query(clean_db, DEAD_LEASE)
     result = run(cli_app, "unlock", "stuck")
     assert result.exit_code == 0, result.output
     assert "Unlock it?" not in result.output

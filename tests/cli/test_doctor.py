@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from .doctoring import app_on, checks, doctor, migrated, sql
+from support.pg_query import query
+
+from .doctoring import app_on, checks, doctor, migrated
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def autovacuum_on(database_url: str) -> bool:
     """The run's server may have autovacuum off (a test server's speed-up): the
     doctor rightly fails it, and the tests of other checks allow for that."""
-    return bool(sql(database_url, "SELECT current_setting('autovacuum')::bool")[0][0])
+    return bool(query(database_url, "SELECT current_setting('autovacuum')::bool")[0][0])
 
 
 def test_a_forgotten_migrate_is_named_with_its_command(fresh_database_url: str) -> None:

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import pytest
 
 from flask_idempotency.cli.doctor import FAIL, OK, WARN, Check, database
+from support.pg_query import query
 from support.pgbouncer_server import ThrowawayPgBouncer, find_pgbouncer
 from support.postgres_server import ThrowawayPostgres
 
-from .doctoring import app_on, check, migrated, sql
+from .doctoring import app_on, check, migrated
 
 #: Completed records, ``n`` of them (the autovacuum tests' churn).
 SEED = """
@@ -78,7 +79,9 @@ def test_idle_in_transaction_timeout_shorter_than_the_lease_fails(
     fresh_database_url: str,
 ) -> None:
     name = dbname(fresh_database_url)
-    sql(fresh_database_url, f"ALTER DATABASE {name} SET idle_in_transaction_session_timeout = '5s'")
+    query(
+        fresh_database_url, f"ALTER DATABASE {name} SET idle_in_transaction_session_timeout = '5s'"
+    )
     with app_on(fresh_database_url, IDEMPOTENCY_LEASE=30) as app:
         found = check(app, "session timeouts")
         assert found.status == FAIL, found
@@ -86,7 +89,9 @@ def test_idle_in_transaction_timeout_shorter_than_the_lease_fails(
         assert f"set by ALTER DATABASE {name}" in found.detail
         assert found.fix is not None and found.fix.startswith(f"ALTER DATABASE {name} SET")
 
-        sql(fresh_database_url, f"ALTER DATABASE {name} RESET idle_in_transaction_session_timeout")
+        query(
+            fresh_database_url, f"ALTER DATABASE {name} RESET idle_in_transaction_session_timeout"
+        )
         app.extensions["idempotency"].store.pool.discard_idle()  # new sessions read it
         found = check(app, "session timeouts")
     assert found.status == OK, found
@@ -96,7 +101,9 @@ def test_a_role_statement_timeout_shorter_than_a_route_lease_warns(
     fresh_database_url: str,
 ) -> None:
     name = dbname(fresh_database_url)
-    sql(fresh_database_url, f"ALTER ROLE postgres IN DATABASE {name} SET statement_timeout = '40s'")
+    query(
+        fresh_database_url, f"ALTER ROLE postgres IN DATABASE {name} SET statement_timeout = '40s'"
+    )
     try:
         with app_on(fresh_database_url, IDEMPOTENCY_LEASE=30) as app:
             assert check(app, "session timeouts").status == OK  # 40 s > the app's lease
@@ -106,7 +113,7 @@ def test_a_role_statement_timeout_shorter_than_a_route_lease_warns(
         assert "statement_timeout 40 s" in found.detail and "(60 s)" in found.detail
         assert f"ALTER ROLE postgres IN DATABASE {name}" in found.detail
     finally:
-        sql(fresh_database_url, f"ALTER ROLE postgres IN DATABASE {name} RESET ALL")
+        query(fresh_database_url, f"ALTER ROLE postgres IN DATABASE {name} RESET ALL")
 
 
 def _route_with_lease(app: object, lease: float) -> None:
@@ -139,7 +146,7 @@ def test_autovacuum_turned_off_on_the_records_table_fails(autovacuuming: str) ->
         assert found.status == OK, found
         assert "vacuumed after 50 + 0.2 x live rows" in found.detail
 
-        sql(autovacuuming, "ALTER TABLE idempotency_records SET (autovacuum_enabled = false)")
+        query(autovacuuming, "ALTER TABLE idempotency_records SET (autovacuum_enabled = false)")
         found = check(app, "autovacuum")
     assert found.status == FAIL, found
     assert "autovacuum_enabled = false on idempotency_records" in found.detail
@@ -148,7 +155,7 @@ def test_autovacuum_turned_off_on_the_records_table_fails(autovacuuming: str) ->
 
 def test_autovacuum_off_on_the_server_fails(clean_db: str) -> None:
     """The run's server: its autovacuum setting decides which way this goes."""
-    on = sql(clean_db, "SELECT current_setting('autovacuum')::bool")[0][0]
+    on = query(clean_db, "SELECT current_setting('autovacuum')::bool")[0][0]
     with app_on(clean_db) as app:
         migrated(app)
         found = check(app, "autovacuum")
@@ -172,18 +179,18 @@ def test_dead_rows_piling_up_warn_until_vacuumed(autovacuuming: str) -> None:
     with app_on(autovacuuming) as app:
         migrated(app)
         # A trigger autovacuum never reaches: the rows stay dead until VACUUM.
-        sql(
+        query(
             autovacuuming,
             "ALTER TABLE idempotency_records SET (autovacuum_vacuum_threshold = 2000000000)",
         )
-        sql(autovacuuming, SEED, (12_000,))
-        sql(autovacuuming, "DELETE FROM idempotency_records")
+        query(autovacuuming, SEED, (12_000,))
+        query(autovacuuming, "DELETE FROM idempotency_records")
         found = _wait_for(app, WARN)
         assert found.status == WARN, found
         assert "autovacuum is behind the table's churn" in found.detail
         assert "autovacuum_vacuum_scale_factor" in (found.fix or "")
 
-        sql(autovacuuming, "VACUUM idempotency_records")
+        query(autovacuuming, "VACUUM idempotency_records")
         found = _wait_for(app, OK)
     assert found.status == OK, found
 
@@ -194,13 +201,13 @@ def test_a_large_table_under_the_default_scale_factor_warns(
     monkeypatch.setattr(database, "LARGE_TABLE", 1_000)  # a million rows, scaled down
     with app_on(autovacuuming) as app:
         migrated(app)
-        sql(autovacuuming, SEED, (3_000,))
-        sql(autovacuuming, "ANALYZE idempotency_records")
+        query(autovacuuming, SEED, (3_000,))
+        query(autovacuuming, "ANALYZE idempotency_records")
         found = _wait_for(app, WARN)
         assert found.status == WARN, found
         assert "with autovacuum_vacuum_scale_factor 0.2, 600 rows die" in found.detail
 
-        sql(
+        query(
             autovacuuming,
             "ALTER TABLE idempotency_records SET (autovacuum_vacuum_scale_factor = 0.01)",
         )

@@ -12,9 +12,10 @@ from flask_idempotency.cli.doctor import OK, WARN
 from flask_idempotency.events.outbox import OutboxEvent
 from flask_idempotency.events.relay import Relay
 from flask_idempotency.store.heartbeat import Heartbeat
+from support.pg_query import query
 
 from .app import create_app
-from .doctoring import app_on, check, migrated, sql
+from .doctoring import app_on, check, migrated
 
 
 class Discard:
@@ -47,7 +48,7 @@ def test_the_relay_is_warned_about_until_it_runs_and_again_once_it_stops(clean_d
             found
         )
 
-        sql(clean_db, "UPDATE idempotency_heartbeats SET last_run_at = now() - interval '1 hour'")
+        query(clean_db, "UPDATE idempotency_heartbeats SET last_run_at = now() - interval '1 hour'")
         found = check(app, "relay")
         # (the broker check before it waits a retry on the unreachable broker)
         assert found.status == WARN and re.match(r"last seen 36\d\d s ago", found.detail), found
@@ -57,7 +58,7 @@ def test_the_relay_is_warned_about_until_it_runs_and_again_once_it_stops(clean_d
 def test_pending_events_make_the_relay_needed_without_a_broker(clean_db: str) -> None:
     with app_on(clean_db) as app:
         migrated(app)
-        sql(
+        query(
             clean_db,
             "INSERT INTO idempotency_outbox (id, event_type, payload, expires_at) "
             "VALUES ('evt_doctor', 'doctor.tested', '{}', now() + interval '1 day')",
@@ -91,7 +92,9 @@ def test_a_heartbeat_is_written_at_most_once_per_interval(clean_db: str) -> None
         store = app.extensions["idempotency"].store
         heartbeat = Heartbeat(store, "relay", interval=30.0, clock=lambda: now[0])
         heartbeat.beat()
-        sql(clean_db, "UPDATE idempotency_heartbeats SET last_run_at = now() - interval '1 minute'")
+        query(
+            clean_db, "UPDATE idempotency_heartbeats SET last_run_at = now() - interval '1 minute'"
+        )
         now[0] += 29.0
         heartbeat.beat()  # too soon: not written
         assert store.last_runs()["relay"][0] >= 59

@@ -14,9 +14,10 @@ import pytest
 from flask import Flask
 
 from flask_idempotency.cli.stop import stop_on_signals
+from support.pg_query import query
 
 from .app import create_app
-from .conftest import execute, run, seed_abandoned
+from .conftest import run, seed_abandoned
 
 
 def test_the_first_signal_sets_the_event_a_second_ctrl_c_raises() -> None:
@@ -52,7 +53,7 @@ def test_ctrl_c_stops_recover_once_after_the_record_in_hand(clean_db: str) -> No
     assert result.stdout == "recovered 0, released 3, deferred 0, fenced 0, skipped 0\n"
     assert "interrupted by SIGINT" in result.stderr and "released 3" in result.stderr
     # The rest of the batch was handed back at once, abandoned again for the next run.
-    left = execute(
+    left = query(
         clean_db,
         "SELECT count(*), bool_and(lease_expires_at <= now()) FROM idempotency_records",
     )

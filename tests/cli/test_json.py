@@ -7,7 +7,9 @@ from typing import Any
 
 from flask import Flask
 
-from .conftest import execute, run, seed_expired
+from support.pg_query import query
+
+from .conftest import run, seed_expired
 
 SHOW_FIELDS = [
     "record",
@@ -71,7 +73,7 @@ def test_show_json_has_the_prose_fields(cli_app: Flask) -> None:
 def test_show_json_of_an_in_flight_expired_record(cli_app: Flask, clean_db: str) -> None:
     sent = {"Idempotency-Key": "old"}
     assert cli_app.test_client().post("/pay", json={}, headers=sent).status_code == 201
-    execute(
+    query(
         clean_db,
         "UPDATE idempotency_records SET state = 'processing', completed_at = NULL,"
         " status_code = NULL, lease_expires_at = now() + interval '1 minute',"

@@ -12,8 +12,9 @@ import pytest
 from flask import Flask
 
 from flask_idempotency.cli.progress import Progress
+from support.pg_query import query
 
-from .conftest import count, execute, run, seed_abandoned, seed_events, seed_expired
+from .conftest import count, run, seed_abandoned, seed_events, seed_expired
 
 LINE = re.compile(r"^(?P<label>[a-z ]+): (?P<done>\d+)(/(?P<total>\d+) \(\d+%\))?, \d+/s, ")
 
@@ -88,7 +89,7 @@ def test_purge_reports_each_batch_when_asked_and_ends_with_totals(
     cli_app: Flask, clean_db: str
 ) -> None:
     seed_expired(clean_db, 35)
-    execute(
+    query(
         clean_db,
         "INSERT INTO idempotency_outbox (id, event_type, payload, published_at, expires_at)"
         " SELECT 'evt_' || i, 't', '{}', now(), now() - interval '1 s'"
@@ -152,4 +153,4 @@ def test_relay_once_reports_each_batch_against_the_pending_count(
     assert lines == [(10, 25), (20, 25), (25, 25)]
     assert result.stdout == "25 event(s) published, 0 deferred\n"
     pending = "SELECT count(*) FROM idempotency_outbox WHERE published_at IS NULL"
-    assert execute(clean_db, pending) == [(0,)]
+    assert query(clean_db, pending) == [(0,)]

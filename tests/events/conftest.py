@@ -13,7 +13,6 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg2
 import pytest
 from flask import Flask
 
@@ -75,17 +74,6 @@ def make_events_app(clean_db: str) -> Iterator[Any]:
     yield make
     for app in apps:
         app.extensions["idempotency"].close()
-
-
-def query(database_url: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(database_url)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(sql, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 def bind_queue(url: str, exchange: str, queue: str, routing_keys: list[str]) -> None:

@@ -26,11 +26,12 @@ from flask_idempotency.events import (
     Result,
     Subscription,
 )
+from support.pg_query import query
 from support.records import end_leases
 from support.waiting import wait_until
 
 from . import app as events_app
-from .conftest import BrokerNames, emit_many, query, take_all
+from .conftest import BrokerNames, emit_many, take_all
 
 MakeApp = Callable[..., Flask]
 idempotency = events_app.idempotency

@@ -17,9 +17,9 @@ from flask import Flask
 
 from flask_idempotency import keys
 from flask_idempotency.events import outbox
+from support.pg_query import query
 
 from . import app as events_app
-from .conftest import query
 
 MakeApp = Callable[..., Flask]
 

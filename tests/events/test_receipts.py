@@ -22,9 +22,10 @@ from example_app.processor_client import InProcessProcessorClient
 from example_app.processor_core import FakeProcessor
 from flask_idempotency import keys
 from flask_idempotency.events import ConsumerWorker
+from support.pg_query import query
 from support.waiting import wait_until
 
-from .conftest import BrokerNames, query
+from .conftest import BrokerNames
 
 TOKEN, OTHER = "sk_test_receipts", "sk_test_other"
 BODY: dict[str, Any] = {"amount": 1500, "currency": "usd", "customer": "cus_r", "source": "tok"}

@@ -28,10 +28,11 @@ import pytest
 from flask_idempotency import keys
 from support._files import make_workdir, remove_tree
 from support._procs import spawn, stop_process
+from support.pg_query import query
 from support.servers import GunicornFactory, GunicornServer, ProxyFactory, http_request
 from support.waiting import wait_until
 
-from .conftest import BrokerNames, query, take_all
+from .conftest import BrokerNames, take_all
 
 pytestmark = [
     pytest.mark.reliability,

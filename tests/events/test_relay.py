@@ -22,10 +22,11 @@ from flask import Flask
 
 from flask_idempotency.events import Publisher, Relay
 from flask_idempotency.events.amqp import Backoff
+from support.pg_query import query
 from support.servers import ProxyFactory
 from support.waiting import wait_until
 
-from .conftest import BrokerNames, bind_queue, emit_many, query, take_all
+from .conftest import BrokerNames, bind_queue, emit_many, take_all
 
 MakeApp = Callable[..., Flask]
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,10 @@ things it cannot do stay here:
 * **root.** ``pg_ctl`` refuses to run as root, and pytest-postgresql keeps the
   cluster in pytest's temporary directory, which only its owner may enter
   (pytest resets ``/tmp/pytest-of-<user>`` to 0700 at every start). As root,
-  ``executable`` is therefore a small wrapper: it runs the real ``pg_ctl`` as an
-  unprivileged account and moves the data directory and the log it is given to
-  a directory that account owns. pytest-postgresql still sees its own paths
+  ``executable`` is therefore the wrapper the library's pytest plugin uses
+  (``flask_idempotency.testing.unprivileged``): it runs the real ``pg_ctl`` as
+  an unprivileged account and moves the data directory and the log it is given
+  to a directory that account owns. pytest-postgresql still sees its own paths
   (the wrapper leaves an empty directory where it expects the data).
 * **a killed run.** ``pg_ctl`` detaches the server, so a run killed with
   SIGKILL would leave it running. :func:`watchdog` starts a small process tied
@@ -25,7 +26,6 @@ process fixture for the whole session, stopped only at its end.
 from __future__ import annotations
 
 import functools
-import shlex
 import signal
 import subprocess
 import sys
@@ -34,7 +34,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ._files import RunAs, chown_tree, make_workdir, remove_tree, unprivileged_user
+from flask_idempotency.testing import unprivileged
+
+from ._files import make_workdir, remove_tree, unprivileged_user
 from ._procs import at_exit, log_tail, spawn, stop_process
 from .postgres_install import find_bindir, usable_bindir
 from .waiting import wait_until
@@ -44,50 +46,10 @@ from .waiting import wait_until
 #: no fsync: nothing ever crashes this server on purpose.)
 SERVER_OPTIONS = "-c listen_addresses=127.0.0.1 -c unix_socket_directories=''"
 
-# Runs as root, then becomes the unprivileged account and execs the real pg_ctl.
-# The data directory and log path pytest-postgresql passes are under pytest's
-# 0700 temporary directory; each is replaced by the same name in a directory of
-# our own that the account owns, one per original parent directory.
-_SHIM = """\
-import hashlib, os, sys
-
-REAL, UID, GID, HOMES = {real!r}, {uid}, {gid}, {homes!r}
-
-
-def relocate(path, create_marker):
-    parent, name = os.path.split(os.path.abspath(path))
-    home = os.path.join(HOMES, hashlib.sha256(parent.encode()).hexdigest()[:16])
-    if not os.path.isdir(home):
-        os.mkdir(home, 0o700)
-        os.chown(home, UID, GID)
-    if create_marker:  # pytest-postgresql checks that its data directory exists
-        os.makedirs(path, exist_ok=True)
-    return os.path.join(home, name)
-
-
-args = sys.argv[1:]
-command = args[0] if args else ""
-out = []
-i = 0
-while i < len(args):
-    out.append(args[i])
-    if args[i] in ("-D", "--pgdata", "-l", "--log") and i + 1 < len(args):
-        is_data = args[i] in ("-D", "--pgdata")
-        out.append(relocate(args[i + 1], create_marker=is_data and command == "initdb"))
-        i += 1
-    elif args[i] == "-o" and command == "initdb" and i + 1 < len(args):
-        # The C locale every machine has, but UTF-8 (C alone would mean SQL_ASCII).
-        out.append(args[i + 1] + " --encoding=UTF8 --locale=C --no-sync")
-        i += 1
-    i += 1
-env = dict((k, v) for k, v in os.environ.items() if not k.startswith("PG"))
-env.update(LC_ALL="C", LC_CTYPE="C", LANG="C")
-os.setgroups([])
-os.setgid(GID)
-os.setuid(UID)
-os.chdir(HOMES)
-os.execve(REAL, [REAL] + out, env)
-"""
+#: Added to what pytest-postgresql passes initdb, as root: the C locale every
+#: machine has, but UTF-8 (C alone would mean SQL_ASCII), and no fsync of a cluster
+#: that is thrown away.
+INITDB_OPTIONS = "--encoding=UTF8 --locale=C --no-sync"
 
 # Waits for the death signal (or any TERM/INT), then stops the server at once.
 _WATCHDOG = """\
@@ -113,25 +75,18 @@ def pg_ctl_executable() -> str:
         if run_as is None:
             _executable = str(bindir / "pg_ctl")
         else:
-            _executable = str(_unprivileged_wrapper(usable_bindir(bindir, run_as), run_as))
+            _executable = _unprivileged_wrapper(usable_bindir(bindir, run_as))
     return _executable
 
 
-def _unprivileged_wrapper(bindir: Path, run_as: RunAs) -> Path:
-    shim_dir = make_workdir("pg-ctl")  # root's own: the wrapper runs as root
-    homes = make_workdir("pg-proc-data")
-    chown_tree(homes, run_as)
-    for path in (shim_dir, homes):
-        at_exit.add(path, functools.partial(remove_tree, path))
-    shim = shim_dir / "pg_ctl_shim.py"
-    shim.write_text(
-        _SHIM.format(real=str(bindir / "pg_ctl"), uid=run_as.uid, gid=run_as.gid, homes=str(homes))
+def _unprivileged_wrapper(bindir: Path) -> str:
+    """The plugin's wrapper around ``bindir``'s pg_ctl, in a directory of this run's
+    (root's own, holding the account's data directory), removed at exit."""
+    workdir = make_workdir("pg-ctl")
+    at_exit.add(workdir, functools.partial(remove_tree, workdir))
+    return unprivileged.wrapper_for(
+        str(bindir / "pg_ctl"), workdir, initdb_options=INITDB_OPTIONS, clean_environment=True
     )
-    wrapper = shim_dir / "pg_ctl"
-    python = shlex.quote(sys.executable)
-    wrapper.write_text(f'#!/bin/sh\nexec {python} -I -S {shlex.quote(str(shim))} "$@"\n')
-    wrapper.chmod(0o700)
-    return wrapper
 
 
 @contextmanager
