@@ -1,13 +1,15 @@
 """The store's connections from a SQLAlchemy engine: one pool per process, not two.
 
 With ``Idempotency(app, db=db)`` the extension opens no connection of its own:
-each request checks one out of ``db``'s engine (``engine.connect()``), the
+each request checks one out of ``db``'s engine pool (``engine.raw_connection()``), the
 same pool, the same DSN, the same connect arguments and events the
 application configured. The store works on the DBAPI connection underneath
 (psycopg2 or psycopg 3) in autocommit mode, as it does on its own pool, and
 the request's ``db.session`` joins the very same connection
 (``flask_idempotency.sqlalchemy``), so the view's writes and the stored
-answer commit together.
+answer commit together. The SQLAlchemy ``Connection`` the session joins is made
+only then, over the same pooled connection: a replay or a refused claim never
+builds one.
 
 A connection goes back to the engine as it came: ``autocommit`` restored, no
 transaction open. One the watchdog cut or the server dropped is invalidated,
@@ -50,6 +52,25 @@ from .pool import (
 DEFAULT_WAIT = 30.0
 
 
+class _Lent:
+    """One connection out of the engine's pool: the pool's proxy, the SQLAlchemy
+    connection made over it once a session joins, its own ``autocommit``."""
+
+    __slots__ = ("fairy", "connection", "autocommit")
+
+    def __init__(self, fairy: Any, autocommit: bool) -> None:
+        self.fairy = fairy
+        self.connection: SAConnection | None = None
+        self.autocommit = autocommit
+
+    def give_back(self, *, invalidate: bool) -> None:
+        """Back to the engine's pool (through the SQLAlchemy connection if there is one)."""
+        owner: Any = self.connection if self.connection is not None else self.fairy
+        if invalidate:
+            owner.invalidate()
+        owner.close()
+
+
 class EnginePool(Pool):
     """Lends the DBAPI connections of ``engine``'s pool to the store."""
 
@@ -60,8 +81,8 @@ class EnginePool(Pool):
             )
         self.engine = engine
         self.driver = for_dialect(engine.dialect.driver)
-        #: DBAPI connection -> (its SQLAlchemy connection, its own autocommit flag).
-        self._lent: dict[Any, tuple[SAConnection, bool]] = {}
+        #: DBAPI connection -> what the engine lent with it.
+        self._lent: dict[Any, _Lent] = {}
         self._lock = threading.Lock()
         self._renewal: Any = None
         self._renewal_pid = -1
@@ -127,15 +148,14 @@ class EnginePool(Pool):
     def _give_back(self, conn: Connection) -> None:
         """A checkout its request gave up on while it was made: back to the engine."""
         with self._lock:
-            sa_conn, autocommit = self._lent.pop(conn)
+            lent = self._lent.pop(conn)
         if self.observer is not None:
             self.observer.pool_checkin()
         try:
-            conn.autocommit = autocommit
-            sa_conn.close()
+            conn.autocommit = lent.autocommit
+            lent.give_back(invalidate=False)
         except driver.ERRORS:
-            sa_conn.invalidate()
-            sa_conn.close()
+            lent.give_back(invalidate=True)
 
     def _checkout(self, checkout: Checkout | None = None) -> Connection:
         _CONNECT_LIMIT.checkout = checkout
@@ -145,8 +165,10 @@ class EnginePool(Pool):
             _CONNECT_LIMIT.checkout = None
 
     def _checkout_now(self) -> Connection:
+        # The pool's proxy, not engine.connect(): a replay needs no SQLAlchemy
+        # Connection, and the join makes one over this proxy when it needs it.
         try:
-            sa_conn = self.engine.connect()
+            fairy = self.engine.raw_connection()
         except sqlalchemy.exc.TimeoutError as exc:
             if self.observer is not None:
                 self.observer.pool_timeout()
@@ -156,30 +178,39 @@ class EnginePool(Pool):
             raise StoreUnavailableError(
                 f"cannot connect to PostgreSQL: {connect_failure(cause)}"
             ) from cause
-        raw: Any = sa_conn.connection.driver_connection
+        except driver.ERRORS as exc:  # the pool's connect raises the driver's own
+            raise StoreUnavailableError(
+                f"cannot connect to PostgreSQL: {connect_failure(exc)}"
+            ) from exc
+        raw: Any = fairy.driver_connection
         try:
-            autocommit = bool(raw.autocommit)
+            lent = _Lent(fairy, bool(raw.autocommit))
             raw.autocommit = True
         except driver.ERRORS as exc:
-            sa_conn.invalidate()
-            sa_conn.close()
+            fairy.invalidate()
+            fairy.close()
             reason = type(exc).__name__
             raise StoreUnavailableError(f"unusable pooled connection: {reason}") from exc
         with self._lock:
-            self._lent[raw] = (sa_conn, autocommit)
+            self._lent[raw] = lent
         if self.observer is not None:
             self.observer.pool_checkout()
         conn: Connection = raw
         return conn
 
     def sqlalchemy_connection(self, raw: Any) -> SAConnection:
-        """The SQLAlchemy connection over a DBAPI connection this pool lent."""
+        """The SQLAlchemy connection over a DBAPI connection this pool lent, made the
+        first time it is asked for (as ``engine.connect()`` makes one, over the
+        pool's proxy this pool already holds)."""
         with self._lock:
-            return self._lent[raw][0]
+            lent = self._lent[raw]
+        if lent.connection is None:
+            lent.connection = SAConnection(self.engine, lent.fairy)
+        return lent.connection
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
         with self._lock:
-            sa_conn, autocommit = self._lent.pop(conn)
+            lent = self._lent.pop(conn)
             slots = self._slots if self._slots_pid == os.getpid() else None
         if slots is not None:
             slots.release()
@@ -189,12 +220,10 @@ class EnginePool(Pool):
                     if conn.info.transaction_status != 0:  # not idle: roll back first
                         with self.driver.cursor(conn) as cur:
                             cur.execute("ROLLBACK")
-                    conn.autocommit = autocommit
+                    conn.autocommit = lent.autocommit
                 except driver.ERRORS:
                     discard = True
-            if discard or conn.closed:
-                sa_conn.invalidate()
-            sa_conn.close()
+            lent.give_back(invalidate=discard or bool(conn.closed))
         finally:
             if self.observer is not None:
                 self.observer.pool_checkin()
