@@ -52,6 +52,7 @@ from .recovery import Abandoned, recoverable_routes
 from .route_options import RouteOptions
 from .state import RequestState, app_state, bound, unbind
 from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError, Taken
+from .store.errors import store_failure
 from .store.heartbeat import Heartbeat
 from .store.request import PostgresRequest
 
@@ -122,7 +123,8 @@ class Recoverer:
             except StoreUnavailableError as exc:
                 if once:
                     raise
-                log.warning("idempotency recover: store unavailable: %s", exc)
+                level, what = store_failure(exc)
+                log.log(level, "idempotency recover: %s: %s", what, exc)
             else:
                 self.heartbeat.beat()
                 if outcomes and not once:
@@ -169,7 +171,8 @@ class Recoverer:
         try:
             outcome = self._recover(taken, label)
         except StoreUnavailableError as exc:
-            log.warning("idempotency recover: store unavailable for key %s: %s", label, exc)
+            level, what = store_failure(exc)
+            log.log(level, "idempotency recover: %s for key %s: %s", what, label, exc)
             outcome = RecoveryOutcome.DEFERRED
         finally:
             self.state.keeper.drop(taken.record_key, taken.token)
@@ -205,7 +208,8 @@ class Recoverer:
                     engine.roll_back(ctx)
                     return RecoveryOutcome.FENCED
                 except (StoreUnavailable, StoreUnavailableError) as exc:
-                    log.warning("idempotency recover: key %s: store unavailable: %s", label, exc)
+                    level, what = store_failure(exc)
+                    log.log(level, "idempotency recover: key %s: %s: %s", label, what, exc)
                     engine.roll_back(ctx)
                     return self._hand_back(taken, RecoveryOutcome.DEFERRED)
                 except HTTPException as exc:

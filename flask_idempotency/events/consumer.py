@@ -58,6 +58,7 @@ from .. import engine, flow, keys
 from ..route_options import route_options
 from ..state import RequestState, app_state, bound
 from ..store.base import LeaseLostError, StoredResponse, StoreUnavailableError
+from ..store.errors import store_failure
 
 log = logging.getLogger("flask_idempotency.events")
 
@@ -298,7 +299,8 @@ class ConsumerGuard:
             try:
                 decision, existing = engine.claim(ctx, route.lease)
             except StoreUnavailableError as exc:
-                log.warning("consumer %s: store unavailable: %s", self.options.name, exc)
+                level, what = store_failure(exc)
+                log.log(level, "consumer %s: %s: %s", self.options.name, what, exc)
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
             if isinstance(decision, flow.Replay):
                 return Result(ConsumerOutcome.DUPLICATE, stored=decision.response)

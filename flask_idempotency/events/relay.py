@@ -28,7 +28,9 @@ from typing import Any, Protocol
 from flask import Flask
 
 from ..state import app_state
+from ..store import driver, schema
 from ..store.base import StoreUnavailableError
+from ..store.errors import store_failure
 from ..store.heartbeat import Heartbeat
 from . import outbox
 from .amqp import Backoff, BrokerUnavailable
@@ -92,11 +94,20 @@ class Relay:
         """Publish one batch; return how many rows it took (0: nothing pending).
 
         Raises :class:`BrokerUnavailable` or ``StoreUnavailableError`` after
-        committing what the broker did confirm.
+        committing what the broker did confirm (``SchemaMismatchError`` when the
+        database has no outbox).
         """
         error: BrokerUnavailable | None = None
         with self.store.transaction() as conn:
-            events = outbox.claim_batch(conn, self.batch_size)
+            try:
+                events = outbox.claim_batch(conn, self.batch_size)
+            except driver.ERRORS as exc:
+                # No outbox table: a skipped migrate, named (and waited out) as such,
+                # not an UndefinedTable that ends the relay.
+                problem = schema.mismatch(exc)
+                if problem is None:
+                    raise
+                raise problem from exc
             if not events:
                 return 0
             published: list[str] = []
@@ -141,7 +152,8 @@ class Relay:
                         raise
                     self.stats.outages += 1
                     delay = self.backoff.next()
-                    log.warning("relay: %s; retrying in %.1f s", exc, delay)
+                    level, _ = store_failure(exc)  # a broker outage is a WARNING too
+                    log.log(level, "relay: %s; retrying in %.1f s", exc, delay)
                     stop.wait(delay)
                     continue
                 self.backoff.reset()

@@ -16,9 +16,11 @@ are no use for claims, and only new ones can find the writable server (libpq's
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from . import driver
+from .base import SchemaMismatchError
 from .driver import sqlstate
 
 #: SQLSTATEs outside class 08 that mean the session is gone or cannot start:
@@ -69,3 +71,13 @@ def connect_failure(exc: BaseException) -> str:
         first_line = first_line[: MAX_REASON_LENGTH - 1] + "…"
     name = type(exc).__name__
     return f"{name}: {first_line}" if first_line else name
+
+
+def store_failure(exc: BaseException) -> tuple[int, str]:
+    """How a worker that waits out outages (the completer, the relay, a consumer)
+    logs a store failure: a missing or outdated schema is an ERROR named as such,
+    a skipped deploy step that waiting will not fix (its message names the
+    command); anything else is a WARNING, an outage it retries."""
+    if isinstance(exc, SchemaMismatchError):
+        return logging.ERROR, "schema missing"
+    return logging.WARNING, "store unavailable"

@@ -140,14 +140,18 @@ class PostgresStore(Maintenance):
     def autocommit(self, *, discard: bool = False) -> Iterator[Connection]:
         """A pooled autocommit connection for the extension's own maintenance
         statements (closed after the block with ``discard``): any driver error is a
-        ``StoreUnavailableError``."""
+        ``StoreUnavailableError``, a missing table or function the
+        ``SchemaMismatchError`` that names the command to run."""
         try:
             with self.pool.connection(discard=discard) as conn:
                 yield conn
         except driver.ERRORS as exc:
             if is_unreachable(exc):
                 self.pool.discard_idle()
-            raise StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip()) from exc
+            raise (
+                schema.mismatch(exc)
+                or StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip())
+            ) from exc
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:

@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ from flask_idempotency import (
     StoreUnavailable,
     global_scope,
 )
+from flask_idempotency.completer import Recoverer
+from flask_idempotency.events.amqp import Backoff
+from flask_idempotency.events.consumer import ConsumerOutcome, Delivery
+from flask_idempotency.events.relay import Relay
 from flask_idempotency.store import migrations
 from flask_idempotency.store.base import StoreUnavailableError
 from flask_idempotency.store.schema import Problem, SchemaWatch
@@ -40,9 +45,7 @@ from support.tcp_proxy import TcpProxy
 STORE_LOGGER = "flask_idempotency.store"
 LAST_MIGRATION = migrations.package_migrations()[-1][0]
 #: The ledger of a database last migrated by the previous release.
-FORGET_LAST_MIGRATION = (
-    f"DELETE FROM idempotency_schema_migrations WHERE name = '{LAST_MIGRATION}'"
-)
+FORGET_LAST_MIGRATION = f"DELETE FROM idempotency_schema_migrations WHERE name = '{LAST_MIGRATION}'"
 
 MakeApp = Callable[..., Flask]
 
@@ -377,3 +380,56 @@ def test_the_migrate_command_itself_logs_no_schema_error(
     assert done.returncode == 0, done.stderr
     assert "schema is up to date" in done.stdout
     assert "ERROR" not in done.stderr and "no idempotency tables" not in done.stderr
+
+
+class _Publisher:
+    """The relay's publisher: never reached while the outbox table is missing."""
+
+    def publish(self, event: Any) -> bool:
+        raise AssertionError("nothing can be published from a missing outbox")
+
+    def close(self) -> None:
+        pass
+
+
+def test_background_workers_name_a_missing_schema_and_keep_waiting(
+    fresh_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The completer, the relay and a consumer on a database nobody migrated: each
+    logs an ERROR that names the command (not a WARNING "store unavailable", not a
+    traceback), keeps its loop alive, and runs nothing."""
+    app = Flask(__name__)
+    app.config.update(
+        IDEMPOTENCY_DATABASE_URL=fresh_database_url, IDEMPOTENCY_SCOPE_FUNC=global_scope
+    )
+    idempotency = Idempotency(app)
+    handled: list[str] = []
+
+    @idempotency.consumer("receipts")
+    def write_receipt(delivery: Delivery) -> None:
+        handled.append(str(delivery.id))
+
+    caplog.set_level(logging.INFO)
+    try:
+        stop = threading.Event()
+        threading.Timer(0.6, stop.set).start()
+        Recoverer(app).run(stop, interval=0.1)  # returns when stopped: it never raised
+
+        relay = Relay.for_app(app, _Publisher(), backoff=Backoff(initial=0.05, maximum=0.1))
+        stop = threading.Event()
+        threading.Timer(0.6, stop.set).start()
+        relay.run(stop)
+        assert relay.stats.outages >= 1 and relay.stats.published == 0
+
+        result = write_receipt.handle(Delivery(id="m-1", type="receipt", payload={}), app=app)
+        assert result.outcome is ConsumerOutcome.RETRY and handled == []
+    finally:
+        app.extensions["idempotency"].close()
+
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    for worker in ("idempotency recover: schema missing", "relay:", "consumer receipts: schema"):
+        named = [message for message in errors if message.startswith(worker)]
+        assert named, (worker, errors)
+        assert "flask idempotency migrate" in named[0]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert not [r for r in caplog.records if "store unavailable" in r.getMessage()]
