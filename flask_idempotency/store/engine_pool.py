@@ -15,8 +15,13 @@ A connection goes back to the engine as it came: ``autocommit`` restored, no
 transaction open. One the watchdog cut or the server dropped is invalidated,
 so the engine's pool replaces it instead of handing it to the next request.
 
+The lease keeper renews on a connection of its own, from a pool made like the
+engine's (``Pool.recreate()``: the same creator, connect arguments and pool
+events) that holds only that one, so it never takes one of the application's
+connections and never waits behind requests.
+
 Requests take their connections within a count of the engine's capacity kept
-here (less the lease keeper's one), so a request that has to wait, waits where
+here, so a request that has to wait, waits where
 it can give up: at its claim's deadline, or at once when the store's circuit
 breaker opens (``pool.Checkout``), never for the engine's ``pool_timeout``
 behind requests stuck on a PostgreSQL that stopped answering.
@@ -85,6 +90,8 @@ class EnginePool(Pool):
         self._lent: dict[Any, _Lent] = {}
         self._lock = threading.Lock()
         self._renewal: Any = None
+        #: The keeper's pool (``engine.pool.recreate()``), made on first use.
+        self._keeper_pool: Any = None
         self._renewal_pid = -1
         self._renewal_lock = threading.Lock()
         self._slots_pid = -1
@@ -238,26 +245,32 @@ class EnginePool(Pool):
             return None
         overflow = getattr(self.engine.pool, "_max_overflow", 0)
         total = int(size()) + max(0, int(overflow))
-        # The lease keeper keeps one of the engine's connections for itself.
-        return total - 1, "db's engine pool_size + max_overflow (less one kept by the lease keeper)"
+        return total, "db's engine pool_size + max_overflow"
 
     # -- the lease keeper's connection -------------------------------------------
 
     def renewal_connection(self) -> Connection:
         with self._renewal_lock:
             if self._renewal_pid != os.getpid():
-                self._renewal = None  # the parent's, after a fork: not ours to return
+                # The parent's, after a fork: not ours to return.
+                self._renewal = self._keeper_pool = None
                 self._renewal_pid = os.getpid()
             if self._renewal is not None and self._renewal.driver_connection.closed:
                 self._drop_renewal()
             if self._renewal is None:
+                if self._keeper_pool is None:
+                    self._keeper_pool = self.engine.pool.recreate()
                 try:
-                    fairy = self.engine.raw_connection()
+                    fairy = self._keeper_pool.connect()
                 except sqlalchemy.exc.DBAPIError as exc:
                     cause = exc.orig or exc
                     raise StoreUnavailableError(
                         f"cannot connect to PostgreSQL: {connect_failure(cause)}"
                     ) from cause
+                except driver.ERRORS as exc:  # a pool's connect raises the driver's own
+                    raise StoreUnavailableError(
+                        f"cannot connect to PostgreSQL: {connect_failure(exc)}"
+                    ) from exc
                 raw: Any = fairy.driver_connection
                 raw.autocommit = True
                 self._renewal = fairy
@@ -275,16 +288,21 @@ class EnginePool(Pool):
             fairy.close()
 
     def close(self) -> None:
-        """Give the keeper's connection back; the engine itself is the app's."""
+        """Close the keeper's connection and its pool; the engine itself is the app's."""
         with self._renewal_lock:
             fairy, self._renewal = self._renewal, None
-            if fairy is not None and self._renewal_pid == os.getpid():
+            keeper_pool, self._keeper_pool = self._keeper_pool, None
+            if self._renewal_pid != os.getpid():
+                return  # the parent's, after a fork: not ours to close
+            if fairy is not None:
                 try:
                     if not fairy.driver_connection.closed:
                         fairy.driver_connection.autocommit = False
                     fairy.close()
                 except driver.ERRORS:
                     fairy.invalidate()
+            if keeper_pool is not None:
+                keeper_pool.dispose()
 
 
 #: The store's checkout this thread is making, if any: a connect it needs ends by

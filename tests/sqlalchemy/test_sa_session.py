@@ -190,12 +190,13 @@ def test_a_query_before_the_claim_holds_no_second_connection(
     make_sa_app: Any, dialect_url: str
 ) -> None:
     """The authentication decorator's query checks a connection out of db's pool
-    before the claim; the claim must not need a second one. With one connection for
-    requests (and one the lease keeper keeps) requests in turn all run, as they do
-    without the extension; holding two each, they would wait for the pool and 503."""
+    before the claim; the claim must not need a second one. With one connection in
+    db's pool, requests in turn all run, as they do without the extension; holding
+    two each, they would wait for the pool and 503. (Nor does the lease keeper take
+    that one: it renews on a connection of its own.)"""
     client = Client(
         make_sa_app(
-            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 2, "max_overflow": 0, "pool_timeout": 1}
+            SQLALCHEMY_ENGINE_OPTIONS={"pool_size": 1, "max_overflow": 0, "pool_timeout": 1}
         )
     )
     labels = [new_label("one-connection") for _ in range(3)]

@@ -54,7 +54,7 @@ def create_app() -> Flask:
 
         pool_size = options.pop("pool_size")
         app.config["SQLALCHEMY_DATABASE_URI"] = dsn
-        app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_size": pool_size + 1, "max_overflow": 0}
+        app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_size": pool_size, "max_overflow": 0}
         app.config["IDEMPOTENCY_DATABASE_OPTIONS"] = options
         db = SQLAlchemy(app)
         idempotency = Idempotency(app, db=db)
