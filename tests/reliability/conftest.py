@@ -19,7 +19,7 @@ import pytest
 
 from support.xdist_worker import worker_redis_db
 
-from .figures import REPORTED, Figures
+from .figures import Figures
 from .fixtures import api_key, run_id, time_limited, write_figures
 from .stack import Stack, StackOptions, drop_stale_databases, own_database, running_stack
 
@@ -35,11 +35,11 @@ REDIS_DB = 14 - worker_redis_db(0)
 
 @pytest.fixture
 def figures(request: pytest.FixtureRequest) -> Figures:
-    return Figures(request.node.name)
+    return Figures(request.node)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    write_figures(terminalreporter, "reliability figures", REPORTED)
+    write_figures(terminalreporter, Figures.section)
 
 
 @pytest.fixture(autouse=True)

@@ -41,15 +41,20 @@ def time_limited(seconds: float) -> Iterator[None]:
         print(f"[time] {time.monotonic() - started:.1f} s")
 
 
-def write_figures(
-    terminalreporter: pytest.TerminalReporter,
-    title: str,
-    reported: list[tuple[str, dict[str, object]]],
-) -> None:
-    """The tests' figures, in the order they reported them, in a section of their own."""
+def write_figures(terminalreporter: pytest.TerminalReporter, section: str) -> None:
+    """The figures the run's tests reported for ``section`` (``Figures``), test by
+    test in the order of their reports, in a section of the summary of its own."""
+    reported = [
+        (report.nodeid.rsplit("::", 1)[-1], values)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, values in getattr(report, "user_properties", ())
+        if name == section
+    ]
     if not reported:
         return
-    terminalreporter.section(title)
+    terminalreporter.section(section)
     for test, values in reported:
         terminalreporter.write_line(f"{test}:")
         for name, value in values.items():

@@ -9,9 +9,6 @@ import pytest
 from reliability.figures import Figures
 from reliability.fixtures import api_key, run_id, time_limited, write_figures
 
-#: (test name, figures) in the order the tests reported them.
-REPORTED: list[tuple[str, dict[str, object]]] = []
-
 #: A hung test dumps every thread's stack and ends the run.
 TEST_TIME_LIMIT = 240.0
 
@@ -20,19 +17,16 @@ class TopologyFigures(Figures):
     """The reliability suite's figures (its tests are reused here), reported in a
     "topology figures" section of their own."""
 
-    def __call__(self, **values: object) -> None:
-        shown = {name.replace("_", " "): value for name, value in values.items()}
-        REPORTED.append((self.test, shown))
-        print(f"[figures] {self.test}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    section = "topology figures"
 
 
 @pytest.fixture
 def figures(request: pytest.FixtureRequest) -> Figures:
-    return TopologyFigures(request.node.name)
+    return TopologyFigures(request.node)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    write_figures(terminalreporter, "topology figures", REPORTED)
+    write_figures(terminalreporter, TopologyFigures.section)
 
 
 @pytest.fixture(autouse=True)
