@@ -92,7 +92,7 @@ def test_a_task_that_kills_its_worker_every_time_fails_after_the_limit(
     log = worker.log_path.read_text()
     errors = [line for line in log.splitlines() if "max_worker_losses=3" in line]
     print("\n".join(errors))
-    guard_errors = [line for line in errors if "flask_idempotency.events" in line or "ERROR" in line]
+    guard_errors = [line for line in errors if "ERROR" in line]
     assert any("3 earlier attempts were lost" in line for line in guard_errors)
     assert sum("its record released" in line for line in log.splitlines()) == 1
     assert order not in "\n".join(errors)
