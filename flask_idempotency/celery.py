@@ -31,14 +31,21 @@ guard outcome                               task
                                             acknowledged (``Ignore``); the copy then
                                             replays or takes over
 ``DEAD_LETTERED`` (``key_reused``)          :class:`TaskKeyReused`: a final failure
+``DEAD_LETTERED`` (``worker_lost``)         :class:`TaskWorkerLost`: a final failure,
+                                            not run (see below)
 no key                                      :class:`TaskKeyMissing`: a final failure
 ==========================================  ===========================================
 
 A worker killed mid-task holds the key until its lease runs out; with
 ``acks_late=True`` the broker gives the message back (``task_reject_on_worker_lost``
 requeues it at once when only the pool process died), the copy is ``BUSY`` until
-the lease ends and then takes the record over. ``docs/celery.md`` explains the
-configuration.
+the lease ends and then takes the record over. A task that kills its worker
+every time would loop so for ever (nothing raised, so Celery counts no retry):
+once ``idempotency_max_worker_losses`` attempts were lost (the record's
+``takeovers`` less ``request.retries``), the next takeover does not run it but
+fails it with :class:`TaskWorkerLost` and releases its record, so a re-run after
+a fix starts afresh. A raise Celery does not retry releases the record too.
+``docs/celery.md`` explains the configuration.
 
 The task's writes go through ``idempotency.connection()`` (psycopg2, raw SQL).
 Whatever joins that transaction for a view (the guard sets the same per-message
@@ -72,7 +79,7 @@ from .store.base import StoredResponse
 
 try:
     import celery
-    from celery.exceptions import Ignore
+    from celery.exceptions import Ignore, Reject, Retry
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(
         "flask_idempotency.celery needs Celery: pip install 'flask-idempotency[celery]'"
@@ -108,6 +115,27 @@ class TaskKeyReused(Exception):
     """Another task call (other arguments) already used this key: this one did not run."""
 
 
+class TaskWorkerLost(Exception):
+    """The task's earlier attempts lost their worker (a segfault, an OOM kill,
+    ``os._exit``) ``idempotency_max_worker_losses`` times: it is not run again.
+
+    Not Celery's ``WorkerLostError``: with ``task_reject_on_worker_lost`` that one
+    requeues the message, and this failure is meant to be final.
+    """
+
+    def __init__(self, task: str, losses: int, limit: int) -> None:
+        super().__init__(task, losses, limit)  # as given: the exception pickles
+        self.task = task
+        self.losses = losses
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return (
+            f"task {self.task}: {self.losses} earlier attempts lost their worker without "
+            f"finishing (idempotency_max_worker_losses={self.limit}); not run again"
+        )
+
+
 class TaskDeferred(Exception):
     """A task run outside a worker (eager, or called directly) could not run now:
     its key is held by a live attempt (``in_progress``), its lease was lost, or
@@ -137,10 +165,27 @@ def decode_result(stored: StoredResponse | None) -> Any:
 
 
 class TaskGuard(ConsumerGuard):
-    """The consumer guard whose completed record keeps the task's result."""
+    """The consumer guard whose completed record keeps the task's result, and
+    whose retries are Celery's."""
 
     def stored_record(self, returned: Any) -> StoredResponse:
         return encode_result(returned)
+
+    def worker_losses(self, takeovers: int, delivery: Delivery) -> int:
+        """Takeovers not explained by a retry: each attempt that raised and was
+        retried (``request.retries``) was taken over once by its retry; the rest
+        were attempts whose worker died (or that outlived their lease)."""
+        retries = int(delivery.payload.get("retries") or 0)
+        return max(takeovers - retries, 0)
+
+    def gives_up(self, exc: Exception) -> bool:
+        """A raise is final unless Celery delivers the task again: ``Retry`` (from
+        ``autoretry_for`` or ``self.retry()``) or ``Reject(requeue=True)``. A final
+        failure releases the record, so its attempts are not counted as lost when
+        the same key runs again after a fix."""
+        if isinstance(exc, Retry):
+            return False
+        return not (isinstance(exc, Reject) and exc.requeue)
 
 
 class IdempotentTask(celery.Task):  # type: ignore[misc]
@@ -178,6 +223,11 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
     idempotency_busy_delay: float = 1.0
     #: Wait before a copy deferred by a PostgreSQL outage is delivered again.
     idempotency_outage_delay: float = 1.0
+    #: Attempts lost with their worker (killed, segfaulted, ``os._exit``) after
+    #: which the task is not run again but fails with :class:`TaskWorkerLost`,
+    #: its record released; ``None``: no limit. Attempts that raised are
+    #: Celery's to count (``max_retries``) and do not count here.
+    idempotency_max_worker_losses: int | None = 3
 
     @property
     def idempotency_guard(self) -> TaskGuard:
@@ -194,6 +244,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
                 retry_delay=self.idempotency_outage_delay,
                 max_retry_delay=self.idempotency_outage_delay,
                 busy_delay=self.idempotency_busy_delay,
+                max_worker_losses=self.idempotency_max_worker_losses,
             )
             guard = self.__dict__["_idempotency_guard"] = TaskGuard(self._run_delivery, options)
         return guard
@@ -209,7 +260,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         delivery = Delivery(
             id=str(key),
             type=self.name,
-            payload={"args": args, "kwargs": kwargs},
+            payload={"args": args, "kwargs": kwargs, "retries": request.retries or 0},
             headers=dict(request.headers or {}),
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
             body={"task": self.name, "arguments": self._arguments(args, kwargs)},
@@ -283,6 +334,9 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
                 raise TaskKeyReused(
                     f"task {self.name}: key already used by a call with other arguments"
                 )
+            if result.reason == "worker_lost":
+                limit = self.idempotency_max_worker_losses
+                raise TaskWorkerLost(self.name, result.attempts, limit or 0)
             raise TaskKeyMissing(f"task {self.name}: {result.reason}")
         # BUSY, FENCED, or PostgreSQL unreachable: not this attempt's to run now.
         self._run_later(result, request, args, kwargs)
@@ -390,6 +444,7 @@ __all__ = [
     "TaskKeyMissing",
     "TaskKeyReused",
     "TaskPublisher",
+    "TaskWorkerLost",
     "decode_result",
     "encode_result",
 ]

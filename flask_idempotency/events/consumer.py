@@ -179,6 +179,10 @@ class ConsumerOptions:
     max_retry_delay: float = 60.0
     #: Longest wait before a delivery held by another consumer is tried again.
     busy_delay: float = 1.0
+    #: Earlier attempts lost without finishing (their process died, or outlived its
+    #: lease) after which a takeover gives the message up instead of running it
+    #: (:meth:`ConsumerGuard.worker_losses`); ``None``: no such limit.
+    max_worker_losses: int | None = None
 
 
 def _seconds(name: str, value: float | timedelta | None) -> float | None:
@@ -200,6 +204,7 @@ def consumer_options(
     retry_delay: float | timedelta,
     max_retry_delay: float | timedelta,
     busy_delay: float | timedelta,
+    max_worker_losses: int | None = None,
 ) -> ConsumerOptions:
     if not name or not isinstance(name, str):
         raise ValueError("an idempotency consumer needs a name (it scopes its records)")
@@ -207,6 +212,14 @@ def consumer_options(
         raise ValueError("idempotency consumer option key= must be callable")
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise ValueError("idempotency consumer option max_attempts= must be an integer >= 1")
+    if max_worker_losses is not None and (
+        isinstance(max_worker_losses, bool)
+        or not isinstance(max_worker_losses, int)
+        or max_worker_losses < 1
+    ):
+        raise ValueError(
+            "idempotency consumer option max_worker_losses= must be None or an integer >= 1"
+        )
     return ConsumerOptions(
         name=name,
         key=key or message_id_key,
@@ -216,6 +229,7 @@ def consumer_options(
         retry_delay=_seconds("retry_delay", retry_delay) or 1.0,
         max_retry_delay=_seconds("max_retry_delay", max_retry_delay) or 60.0,
         busy_delay=_seconds("busy_delay", busy_delay) or 1.0,
+        max_worker_losses=max_worker_losses,
     )
 
 
@@ -252,6 +266,24 @@ class ConsumerGuard:
         as part of the attempt: raising here fails the attempt like the handler.
         """
         return HANDLED_RECORD
+
+    def worker_losses(self, takeovers: int, delivery: Delivery) -> int:
+        """How many earlier attempts at ``delivery`` were lost without finishing, of
+        the record's ``takeovers`` (this attempt's takeover included).
+
+        Every attempt that did not complete is taken over once: one that raised
+        (its lease ended at once) as much as one whose process died. Here all of
+        them count; a transport that knows how many of them raised (Celery's
+        ``request.retries``) subtracts those.
+        """
+        return takeovers
+
+    def gives_up(self, exc: Exception) -> bool:
+        """Whether the handler's failure is final whatever ``max_attempts`` says (no
+        delivery will follow): its record is then released, as a dead-lettered
+        message's is, so a re-run after a fix starts afresh. Never, for a plain
+        consumer: its retries are counted by ``max_attempts``."""
+        return False
 
     def retry_delay(self, attempts: int) -> float:
         exponent = min(max(attempts - 1, 0), 30)
@@ -316,6 +348,10 @@ class ConsumerGuard:
                 delay = min(self.options.busy_delay, max(lease_left, 0.0)) or 0.05
                 return Result(ConsumerOutcome.BUSY, delay, "in_progress")
             token = decision.token
+            if ctx.takeover and self.options.max_worker_losses is not None:
+                given_up = self._given_up(state, ctx, delivery, record_key, token)
+                if given_up is not None:
+                    return given_up
             with bound(ctx):
                 try:
                     stored = self.stored_record(self.handler(delivery))
@@ -380,7 +416,7 @@ class ConsumerGuard:
             self.options.max_attempts,
             type(exc).__name__,
         )
-        if attempts >= self.options.max_attempts:
+        if attempts >= self.options.max_attempts or self.gives_up(exc):
             result = Result(
                 ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
             )
@@ -400,6 +436,58 @@ class ConsumerGuard:
             attempts=attempts,
             error=exc,
         )
+
+    def _given_up(
+        self,
+        state: Any,
+        ctx: RequestState,
+        delivery: Delivery,
+        record_key: bytes,
+        token: int,
+    ) -> Result | None:
+        """On a takeover: ``None`` to run the handler, or the result of giving the
+        message up because ``max_worker_losses`` earlier attempts were lost.
+
+        A message that kills its process every time (a segfault, an OOM kill) never
+        raises, so no retry count grows; only the takeovers of its record show it.
+        Given up, the handler does not run again and the record is released (as a
+        dead-lettered message's is): a re-run after a fix starts from its first
+        attempt. If PostgreSQL cannot say how many attempts came before, the handler
+        runs: the next takeover checks again.
+        """
+        limit = self.options.max_worker_losses
+        assert limit is not None
+        try:
+            takeovers = state.store.attempts_so_far(record_key, token)
+        except StoreUnavailableError as exc:
+            log.warning("consumer %s: could not count earlier attempts: %s", self.options.name, exc)
+            return None
+        if takeovers is None:  # taken over again already: not ours to run
+            state.keeper.drop(record_key, token)
+            engine.roll_back(ctx)
+            return Result(ConsumerOutcome.FENCED, reason="lease_lost")
+        losses = self.worker_losses(takeovers, delivery)
+        if losses < limit:
+            return None
+        state.keeper.drop(record_key, token)
+        engine.roll_back(ctx)
+        if ctx.tx is not None:
+            ctx.tx.close()  # before another connection: the pool may be small
+        try:
+            state.store.release_claim(record_key, token)
+        except StoreUnavailableError as exc:
+            # The lease lapses; the next delivery takes over and decides again.
+            log.warning("consumer %s: could not release a lost message: %s", self.options.name, exc)
+            return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
+        log.error(
+            "consumer %s: key %s: %d earlier attempts were lost without finishing "
+            "(max_worker_losses=%d); not run again, its record released",
+            self.options.name,
+            keys.log_key(record_key),
+            losses,
+            limit,
+        )
+        return Result(ConsumerOutcome.DEAD_LETTERED, reason="worker_lost", attempts=losses)
 
     def _dead_letter_unclaimed(
         self, delivery: Delivery, reason: str, dead_letter: DeadLetter | None

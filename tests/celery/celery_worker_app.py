@@ -144,6 +144,25 @@ def charge(
 
 
 @celery_app.task(  # type: ignore[untyped-decorator]
+    base=IdempotentTask,
+    bind=True,
+    name="ct.crash",
+    flask_app=flask_app,
+    idempotency_key="order_id",
+    idempotency_busy_delay=0.2,
+)
+def crash(self: Any, order_id: str, *, die_times: int | None = None) -> dict[str, Any]:
+    """Kills its pool process (``os._exit``) on its first ``die_times`` attempts,
+    every time when ``None``: a segfault or an OOM kill, as Celery sees it. The
+    default ``idempotency_max_worker_losses`` (3) applies."""
+    attempt = _attempt(order_id)
+    _effect(order_id, None, attempt)
+    if die_times is None or attempt <= die_times:
+        os._exit(1)
+    return {"order_id": order_id, "attempt": attempt, "pid": os.getpid()}
+
+
+@celery_app.task(  # type: ignore[untyped-decorator]
     base=IdempotentTask, bind=True, name="ct.record_event", flask_app=flask_app
 )
 def record_event(self: Any, event: dict[str, Any]) -> dict[str, Any]:
