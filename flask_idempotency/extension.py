@@ -249,6 +249,9 @@ class Idempotency:
             retry_delay=retry_delay,
             max_retry_delay=max_retry_delay,
             busy_delay=busy_delay,
+            # A message that kills its consumer every time raises nothing: its
+            # attempts show only as takeovers, and count against the same limit.
+            max_worker_losses=max_attempts,
         )
 
         def decorator(handler: Handler) -> ConsumerGuard:

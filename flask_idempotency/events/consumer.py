@@ -182,6 +182,7 @@ class ConsumerOptions:
     #: Earlier attempts lost without finishing (their process died, or outlived its
     #: lease) after which a takeover gives the message up instead of running it
     #: (:meth:`ConsumerGuard.worker_losses`); ``None``: no such limit.
+    #: ``@idempotency.consumer`` sets it to ``max_attempts``: every attempt counts.
     max_worker_losses: int | None = None
 
 
@@ -349,7 +350,7 @@ class ConsumerGuard:
                 return Result(ConsumerOutcome.BUSY, delay, "in_progress")
             token = decision.token
             if ctx.takeover and self.options.max_worker_losses is not None:
-                given_up = self._given_up(state, ctx, delivery, record_key, token)
+                given_up = self._given_up(state, ctx, delivery, record_key, token, dead_letter)
                 if given_up is not None:
                     return given_up
             with bound(ctx):
@@ -444,9 +445,11 @@ class ConsumerGuard:
         delivery: Delivery,
         record_key: bytes,
         token: int,
+        dead_letter: DeadLetter | None,
     ) -> Result | None:
         """On a takeover: ``None`` to run the handler, or the result of giving the
-        message up because ``max_worker_losses`` earlier attempts were lost.
+        message up because ``max_worker_losses`` earlier attempts were lost (copied
+        to the dead-letter queue first, when the caller gave one).
 
         A message that kills its process every time (a segfault, an OOM kill) never
         raises, so no retry count grows; only the takeovers of its record show it.
@@ -473,6 +476,16 @@ class ConsumerGuard:
         engine.roll_back(ctx)
         if ctx.tx is not None:
             ctx.tx.close()  # before another connection: the pool may be small
+        result = Result(ConsumerOutcome.DEAD_LETTERED, reason="worker_lost", attempts=losses)
+        if dead_letter is not None:
+            try:
+                dead_letter(delivery, result, f"{losses} attempts lost without finishing")
+            except Exception as exc:
+                # Still claimed: the lease lapses and the next delivery decides again.
+                log.error(
+                    "consumer %s: dead-lettering failed: %s", self.options.name, type(exc).__name__
+                )
+                return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "worker_lost")
         try:
             state.store.release_claim(record_key, token)
         except StoreUnavailableError as exc:
@@ -487,7 +500,7 @@ class ConsumerGuard:
             losses,
             limit,
         )
-        return Result(ConsumerOutcome.DEAD_LETTERED, reason="worker_lost", attempts=losses)
+        return result
 
     def _dead_letter_unclaimed(
         self, delivery: Delivery, reason: str, dead_letter: DeadLetter | None

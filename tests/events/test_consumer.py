@@ -8,9 +8,12 @@ queue after N attempts while the others keep flowing.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,6 +155,52 @@ def test_a_dead_consumers_lease_is_taken_over_and_its_late_commit_fenced(
     )
     assert query(clean_db, "SELECT consumer FROM ev_handled") == [("MainThread",)]
     assert takeovers == 1
+
+
+def test_a_message_that_kills_its_consumer_every_time_is_dead_lettered_unrun(
+    app: Flask, clean_db: str, tmp_path: Path
+) -> None:
+    """Each attempt ends its process (``os._exit``: a segfault, an OOM kill), so
+    nothing raises and no retry is counted; only the record's takeovers show it.
+    After ``max_attempts`` lost attempts the next delivery copies the message to
+    the dead-letter queue without running it, and releases its record: the
+    message, replayed after a fix, runs from its first attempt."""
+    parent = os.getpid()
+    runs = tmp_path / "runs"
+
+    @idempotency.consumer("crasher", max_attempts=3)
+    def crash(d: Delivery) -> None:
+        with runs.open("a") as out:
+            out.write("x")
+        if os.getpid() == parent:
+            raise AssertionError("the poison message ran in the test's own process")
+        os._exit(1)
+
+    fork = multiprocessing.get_context("fork")
+    for _ in range(3):
+        child = fork.Process(target=lambda: crash.handle(delivery("evt_poison"), app=app))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 1
+        assert end_leases(clean_db) == 1  # as time does for the dead holder's lease
+    dead: list[tuple[str | None, str | None, str]] = []
+    result = crash.handle(
+        delivery("evt_poison"),
+        app=app,
+        dead_letter=lambda d, r, reason: dead.append((d.id, r.reason, reason)),
+    )
+    assert result.outcome is ConsumerOutcome.DEAD_LETTERED and result.outcome.acknowledge
+    assert (result.reason, result.attempts) == ("worker_lost", 3)
+    assert dead == [("evt_poison", "worker_lost", "3 attempts lost without finishing")]
+    assert runs.read_text() == "xxx"  # three lost attempts, none since
+    assert query(clean_db, "SELECT count(*) FROM idempotency_records") == [(0,)]
+
+    @idempotency.consumer("crasher", max_attempts=3)
+    def fixed(d: Delivery) -> None:
+        record(d, "fixed")
+
+    assert fixed.handle(delivery("evt_poison"), app=app).outcome is ConsumerOutcome.HANDLED
+    assert handled(clean_db) == ["evt_poison"]
 
 
 def test_a_failing_handler_is_retried_with_backoff_then_dead_lettered(
