@@ -16,7 +16,11 @@ which has every extra; a dependency the package forgot to declare (say,
    Redis: the replay comes back and the answers are in Redis;
 4. then ``[example]``: the example app, run from the checkout (it is not in
    the wheel), imports every module and creates one charge through ``wsgi:app``
-   with the installed library.
+   with the installed library;
+5. then ``[sqlalchemy]``: a user's Flask-SQLAlchemy app (``sa_user_app.py``)
+   under the virtualenv's gunicorn, two workers of sixteen threads on a pool of
+   two connections each, takes a storm of duplicate requests while its workers
+   are SIGKILLed, and keeps exactly one row per key.
 
 The tests share one virtualenv and run in file order (each later step adds an
 extra). Installing needs PyPI (flask, psycopg2-binary...); pip's cache makes
@@ -28,14 +32,18 @@ from __future__ import annotations
 import ast
 import json
 import os
+import random
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tarfile
 import time
 import zipfile
+from collections import Counter
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from importlib import metadata, util
@@ -46,10 +54,17 @@ import pytest
 import redis
 from packaging.utils import canonicalize_name
 
+from support._procs import free_port, tcp_answers
+from support.gunicorn_server import child_pids
+from support.http_client import http_request
+from support.pg_query import query
+from support.waiting import wait_until
+
 from .test_makefile import DEV_TOOLS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE_APP = REPO_ROOT / "tests" / "support" / "smoke_app.py"
+SA_USER_APP = REPO_ROOT / "tests" / "support" / "sa_user_app.py"
 DIST_NAME = "flask_idempotency"
 
 #: Not copied into the build's source tree: VCS, virtualenvs, build and tool
@@ -469,3 +484,87 @@ def test_example_app_runs_from_the_checkout_with_example_extra(
     assert (first["status"], first["replayed"]) == (201, "false"), first
     assert (retry["status"], retry["replayed"]) == (201, "true"), retry
     assert retry["body"] == first["body"]
+
+
+# -- [sqlalchemy]: a user's Flask-SQLAlchemy app under gunicorn, workers killed -------
+
+#: Keys, requests per key and client threads of the storm.
+STORM_KEYS, STORM_COPIES, STORM_THREADS = 120, 4, 32
+
+
+def _post_until_answered(url: str, key: str, deadline: float) -> int:
+    """POST one transfer under ``key`` until it is answered for good (a retry after
+    409, 503 or a dropped connection, as a client library does)."""
+    while True:
+        try:
+            status = http_request(
+                "POST", f"{url}/transfers", {"Idempotency-Key": key}, json={"amount": 1}
+            ).status
+        except OSError:  # the worker was killed under the request
+            status = 0
+        if status not in (0, 409, 503) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
+
+
+def test_wheel_with_sqlalchemy_extra_keeps_one_row_per_key_under_gunicorn_kills(
+    venv: Venv, tmp_path: Path, clean_db: str, timings: Timings
+) -> None:
+    venv.install("sqlalchemy")
+    # The user's server, theirs to install (the [example] extra has it already in
+    # a whole run; this test also runs alone).
+    run([*venv.pip, "install", "--no-input", "gunicorn"], timings, "pip install gunicorn")
+    shutil.copy(SA_USER_APP, tmp_path / "sa_user_app.py")
+    env = app_env(APP_DATABASE_URI=clean_db.replace("postgresql://", "postgresql+psycopg2://", 1))
+    migrate: list[str | Path] = [venv.bin / "flask", "--app", "sa_user_app"]
+    migrate += ["idempotency", "migrate"]
+    run(migrate, timings, "flask idempotency migrate", cwd=tmp_path, env=env)
+    run([venv.python, "sa_user_app.py"], timings, "db.create_all()", cwd=tmp_path, env=env)
+
+    port = free_port()
+    help_text = run([venv.bin / "gunicorn", "--help"], timings, "gunicorn --help", env=env).stdout
+    argv = [
+        str(venv.bin / "gunicorn"), "--workers", "2", "--threads", "16",
+        "--bind", f"127.0.0.1:{port}", "--graceful-timeout", "1", "--error-logfile", "-",
+        *(["--no-control-socket"] if "--no-control-socket" in help_text else []),
+        "sa_user_app:app",
+    ]  # fmt: skip
+    log_path = tmp_path / "gunicorn.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: tcp_answers("127.0.0.1", port) and http_request("GET", f"{url}/health"),
+            30,
+            "gunicorn to serve the app",
+            describe=lambda: log_path.read_text(errors="replace")[-3000:],
+        )
+        started = time.monotonic()
+        keys = [f"wheel-{n}" for n in range(STORM_KEYS) for _ in range(STORM_COPIES)]
+        random.shuffle(keys)
+        deadline = time.monotonic() + 90
+        with ThreadPoolExecutor(STORM_THREADS) as pool:
+            answers = pool.map(lambda key: _post_until_answered(url, key, deadline), keys)
+            killed = []
+            for _ in range(3):  # mid-storm: some workers die after their view's commit()
+                time.sleep(0.7)
+                workers = child_pids(server.pid)
+                if workers:
+                    os.kill(workers[0], signal.SIGKILL)
+                    killed.append(workers[0])
+            statuses = Counter(answers)
+        timings.add("storm through gunicorn, workers killed", time.monotonic() - started)
+    finally:
+        server.terminate()
+        server.wait(20)
+    rows = query(
+        clean_db, "SELECT key, count(*) FROM wheel_transfers GROUP BY key HAVING count(*) > 1"
+    )
+    total = query(clean_db, "SELECT count(*), count(DISTINCT key) FROM wheel_transfers")[0]
+    print(f"answers={dict(statuses)} killed={len(killed)} rows={total}")
+    assert len(killed) == 3, "the storm ended before the workers could be killed"
+    assert statuses == Counter({201: STORM_KEYS * STORM_COPIES}), statuses
+    assert rows == [], f"keys with more than one row: {rows}"
+    assert total == (STORM_KEYS, STORM_KEYS)
+    assert "Traceback" not in log_path.read_text(errors="replace")
