@@ -30,6 +30,7 @@ reruns quicker. The timings of each step are printed at the end of the module.
 from __future__ import annotations
 
 import ast
+import http.client
 import json
 import os
 import random
@@ -500,7 +501,7 @@ def _post_until_answered(url: str, key: str, deadline: float) -> int:
             status = http_request(
                 "POST", f"{url}/transfers", {"Idempotency-Key": key}, json={"amount": 1}
             ).status
-        except OSError:  # the worker was killed under the request
+        except (OSError, http.client.HTTPException):  # its worker was killed under it
             status = 0
         if status not in (0, 409, 503) or time.monotonic() > deadline:
             return status
