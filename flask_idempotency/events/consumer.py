@@ -421,12 +421,7 @@ class ConsumerGuard:
             result = Result(
                 ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
             )
-            try:
-                if dead_letter is not None:
-                    dead_letter(delivery, result, error)
-            except Exception as dl_exc:
-                log.error("consumer %s: dead-lettering failed: %s", name, type(dl_exc).__name__)
-            else:
+            if self._copy_to_dead_letter(dead_letter, delivery, result, error):
                 self._best_effort(state.store.release_claim, record_key, token)
                 return result
         self._best_effort(state.store.fail_attempt, record_key, token)
@@ -477,15 +472,10 @@ class ConsumerGuard:
         if ctx.tx is not None:
             ctx.tx.close()  # before another connection: the pool may be small
         result = Result(ConsumerOutcome.DEAD_LETTERED, reason="worker_lost", attempts=losses)
-        if dead_letter is not None:
-            try:
-                dead_letter(delivery, result, f"{losses} attempts lost without finishing")
-            except Exception as exc:
-                # Still claimed: the lease lapses and the next delivery decides again.
-                log.error(
-                    "consumer %s: dead-lettering failed: %s", self.options.name, type(exc).__name__
-                )
-                return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "worker_lost")
+        reason = f"{losses} attempts lost without finishing"
+        if not self._copy_to_dead_letter(dead_letter, delivery, result, reason):
+            # Still claimed: the lease lapses and the next delivery decides again.
+            return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "worker_lost")
         try:
             state.store.release_claim(record_key, token)
         except StoreUnavailableError as exc:
@@ -506,13 +496,24 @@ class ConsumerGuard:
         self, delivery: Delivery, reason: str, dead_letter: DeadLetter | None
     ) -> Result:
         result = Result(ConsumerOutcome.DEAD_LETTERED, reason=reason)
-        if dead_letter is not None:
-            try:
-                dead_letter(delivery, result, reason)
-            except Exception as exc:
-                log.error("consumer %s: dead-lettering failed: %s", self.options.name, exc)
-                return Result(ConsumerOutcome.RETRY, self.options.retry_delay, reason)
+        if not self._copy_to_dead_letter(dead_letter, delivery, result, reason):
+            return Result(ConsumerOutcome.RETRY, self.options.retry_delay, reason)
         return result
+
+    def _copy_to_dead_letter(
+        self, dead_letter: DeadLetter | None, delivery: Delivery, result: Result, reason: str
+    ) -> bool:
+        """Copy ``delivery`` to the dead-letter queue (when the caller gave one);
+        False when that failed, and the message must stay where it is."""
+        if dead_letter is None:
+            return True
+        try:
+            dead_letter(delivery, result, reason)
+        except Exception as exc:  # the broker's error: its class, not its text
+            name, error = self.options.name, type(exc).__name__
+            log.error("consumer %s: dead-lettering failed: %s", name, error)
+            return False
+        return True
 
     @staticmethod
     def _best_effort(
