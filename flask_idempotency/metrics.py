@@ -135,8 +135,8 @@ class Metrics:
         with self._lock:
             self._counts[name] += 1
         level = LEVELS[outcome]
-        if isinstance(error, BreakerOpenError) or isinstance(
-            getattr(error, "__cause__", None), BreakerOpenError
+        if error is not None and (
+            isinstance(error, BreakerOpenError) or isinstance(error.__cause__, BreakerOpenError)
         ):
             level = BREAKER_REFUSAL_LEVEL  # the breaker said it once, as it opened
         if ctx is not None and ctx.takeover and level < TAKEOVER_LEVEL:
