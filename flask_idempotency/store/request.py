@@ -384,9 +384,8 @@ class PostgresRequest(RequestHandle):
 
 class RowClaimRequest(PostgresRequest):
     """Row mode: the claim is a ``processing`` row committed on its own (one
-    statement), kept alive by the lease keeper; the completion fills it in."""
-
-    holds_lease = True
+    statement), kept alive by the lease keeper (``holds_lease``, as every handle's
+    default); the completion fills it in."""
 
     def claim(
         self,
