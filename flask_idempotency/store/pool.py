@@ -157,7 +157,50 @@ def connect_within(
     return connection
 
 
-def wait_for_slot(slots: threading.Semaphore, timeout: float, checkout: Checkout | None) -> bool:
+class Slots:
+    """A count of connections requests may hold: ``threading.BoundedSemaphore``'s
+    ``acquire`` and ``release``, with the uncontended take and give-back one C lock
+    each (the standard library's is Python over a ``Condition``: every request
+    pays for it twice). A waiter waits on a condition of that same lock."""
+
+    __slots__ = ("_lock", "_freed", "_free", "_capacity", "_waiters")
+
+    def __init__(self, capacity: int) -> None:
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self._free = self._capacity = capacity
+        self._waiters = 0
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        with self._lock:
+            if self._free > 0:
+                self._free -= 1
+                return True
+            if not blocking:
+                return False
+            end = None if timeout is None else time.monotonic() + timeout
+            self._waiters += 1
+            try:
+                while self._free <= 0:
+                    left = None if end is None else end - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._freed.wait(left)
+            finally:
+                self._waiters -= 1
+            self._free -= 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            if self._free >= self._capacity:
+                raise ValueError("a connection slot was given back more often than taken")
+            self._free += 1
+            if self._waiters:
+                self._freed.notify()
+
+
+def wait_for_slot(slots: Slots, timeout: float, checkout: Checkout | None) -> bool:
     """Take one of ``slots`` within ``timeout`` seconds (less if ``checkout`` ends
     sooner); False if none came free or the checkout was abandoned meanwhile."""
     if checkout is None:
@@ -257,7 +300,7 @@ class ConnectionPool(Pool):
         # closing would send a Terminate message on the parent's socket.
         self._pid = os.getpid()
         self._idle: deque[Connection] = deque()
-        self._slots = threading.BoundedSemaphore(self._max_size)
+        self._slots = Slots(self._max_size)
         self._lock = threading.Lock()
         self._renewal: Connection | None = None
         self._renewal_lock = threading.Lock()
@@ -365,8 +408,8 @@ class ConnectionPool(Pool):
             return  # borrowed before a fork; the slot belongs to the old pool
         try:
             if not discard and not conn.closed:
-                status = conn.info.transaction_status
-                if status != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+                # (get_transaction_status(): conn.info builds an object per read)
+                if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
                     conn.rollback() if not conn.autocommit else _rollback_raw(conn)
                 with self._lock:
                     self._idle.append(conn)
