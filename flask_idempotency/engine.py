@@ -53,7 +53,8 @@ def claim(
     ctx.takeover = isinstance(result, Claimed) and result.takeover
     if isinstance(decision, flow.Proceed):
         hold(ctx, decision.token, lease)
-        ctx.phases = dict(decision.phases)  # a dead holder's recovery points: resumed
+        if decision.phases:
+            ctx.phases = dict(decision.phases)  # a dead holder's recovery points: resumed
         join_session(ctx)
     return decision, result if isinstance(result, Existing) else None
 

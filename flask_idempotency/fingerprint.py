@@ -13,6 +13,11 @@ import json
 
 from flask import Request
 
+#: Made once: ``json.dumps`` with any argument builds a new encoder per call, and
+#: ``json.loads`` of bytes detects their encoding first (both on every request).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_DECODER = json.JSONDecoder()
+
 
 def is_json_mimetype(mimetype: str) -> bool:
     return mimetype == "application/json" or (
@@ -25,16 +30,23 @@ def canonical_body(mimetype: str, body: bytes) -> bytes:
     if not body or not is_json_mimetype(mimetype):
         return body
     try:
-        parsed = json.loads(body)
+        parsed = _parse(body)
     except (ValueError, RecursionError):
         # Not valid JSON: the view will reject it; compare the bytes as sent.
         return body
     try:
-        return json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
-            "utf-8", "surrogatepass"
-        )
+        return _CANONICAL.encode(parsed).encode("utf-8", "surrogatepass")
     except (ValueError, RecursionError):
         return body
+
+
+def _parse(body: bytes) -> object:
+    """``json.loads(body)``: a body opening with ``{`` or ``[`` and no NUL after it
+    is UTF-8 by ``json.detect_encoding``'s own rules, so it is decoded as such
+    without asking; anything else goes the whole way."""
+    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
+        return _DECODER.decode(body.decode("utf-8", "surrogatepass"))
+    return json.loads(body)
 
 
 def fingerprint(method: str, path: str, query: bytes, mimetype: str, body: bytes) -> bytes:

@@ -62,7 +62,9 @@ JOINED = "flask_idempotency.joined"
 #: The savepoint that marks "the view's last ``commit()``".
 SAVEPOINT = "flask_idempotency_view"
 
-#: DBAPI connection -> the attempt joined to it, for the dialect's commit and rollback.
+#: The attempt joined to a connection, by its DBAPI connection (what a cursor
+#: names) and by the pool's proxy of it (what SQLAlchemy hands the dialect's
+#: ``do_begin``, ``do_commit`` and ``do_rollback``): one lookup either way.
 _JOINED_BY_DBAPI: dict[Any, Joined] = {}
 
 
@@ -88,6 +90,9 @@ class Joined:
     session: Session
     connection: SAConnection
     tx: PostgresRequest
+    #: The DBAPI connection and the pool's proxy of it (``_JOINED_BY_DBAPI``'s keys).
+    raw: Any = None
+    proxy: Any = None
     #: The session's statements can carry the deferred ones in their round trip.
     inline: bool = False
     #: A savepoint marks where the current stretch of work began.
@@ -197,13 +202,13 @@ class SessionJoin:
         tx = ctx.tx
         assert tx is not None and not isinstance(tx, MemoryRequest)  # (init_app refuses it)
         raw = tx.held_connection()
-        connection = self.pool.sqlalchemy_connection(raw)
+        connection, proxy = self.pool.sqlalchemy_connection(raw)
         session = self.sessions()
         if session.in_transaction():
             session.rollback()  # (detach() ended it before the claim; a safety net)
-        joined = Joined(session, connection, tx, inline=self.inline)
+        joined = Joined(session, connection, tx, raw, proxy, self.inline)
         session.info[JOINED] = connection
-        _JOINED_BY_DBAPI[raw] = joined
+        _JOINED_BY_DBAPI[raw] = _JOINED_BY_DBAPI[proxy] = joined
         ctx.session = joined
 
     def keep(self, ctx: RequestState) -> None:
@@ -250,7 +255,8 @@ class SessionJoin:
             except Exception as exc:
                 log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
         session.info.pop(JOINED, None)
-        _JOINED_BY_DBAPI.pop(joined.tx.held_connection_or_none(), None)
+        _JOINED_BY_DBAPI.pop(joined.raw, None)
+        _JOINED_BY_DBAPI.pop(joined.proxy, None)
 
 
 def _divert_transactions(engine: Engine) -> None:
@@ -329,8 +335,11 @@ def _joined_to(dbapi_connection: Any) -> Joined | None:
     proxy of the driver's connection, or the driver's connection itself)."""
     if not _JOINED_BY_DBAPI:
         return None
-    raw = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-    return _JOINED_BY_DBAPI.get(raw)
+    joined = _JOINED_BY_DBAPI.get(dbapi_connection)
+    if joined is None:  # (handed something else: the driver's connection under it)
+        raw = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+        joined = _JOINED_BY_DBAPI.get(raw)
+    return joined
 
 
 def from_app(

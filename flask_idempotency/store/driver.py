@@ -65,6 +65,11 @@ class Driver:
         """Run ``sql``; the cursor then holds the last statement's result."""
         cur.execute(sql, params)
 
+    def in_transaction(self, conn: Any) -> bool:
+        """Whether ``conn`` is inside a transaction (or a failed one), not idle.
+        (psycopg2's ``conn.info`` builds an object per read: asked directly.)"""
+        return bool(conn.get_transaction_status())
+
 
 class Psycopg3Driver(Driver):
     """psycopg 3: a client-side binding cursor, moved on to the last result."""
@@ -83,6 +88,9 @@ class Psycopg3Driver(Driver):
         cur.execute(sql, params)
         while cur.nextset():
             pass
+
+    def in_transaction(self, conn: Any) -> bool:
+        return bool(conn.info.transaction_status)
 
 
 PSYCOPG2 = Driver()

@@ -47,6 +47,7 @@ from .pool import (
     Checkout,
     Connection,
     Pool,
+    Slots,
     connect_timeout,
     connect_within,
     wait_for_slot,
@@ -95,23 +96,27 @@ class EnginePool(Pool):
         self._renewal_pid = -1
         self._renewal_lock = threading.Lock()
         self._slots_pid = -1
-        self._slots: threading.Semaphore | None = None
+        self._slots: Slots | None = None
+        #: The engine's pool says how many connections it holds idle (a
+        #: ``QueuePool``'s ``checkedin()``; ``dispose()`` recreates the same class);
+        #: a pool that does not say is taken to connect.
+        self._counts_idle = callable(getattr(engine.pool, "checkedin", None))
         _bound_connects(engine.dialect)
 
     # -- request connections ---------------------------------------------------
 
-    def _request_slots(self) -> threading.Semaphore | None:
+    def _request_slots(self) -> Slots | None:
         """The count of connections requests may hold (this process's), or ``None``
         when the engine's pool has no fixed size."""
         if self._slots_pid != os.getpid():
             capacity = self.capacity()
             if getattr(self.engine.pool, "_max_overflow", 0) < 0:
                 capacity = None  # no limit on the engine's side: none here either
-            self._slots = threading.Semaphore(capacity[0]) if capacity and capacity[0] > 0 else None
+            self._slots = Slots(capacity[0]) if capacity and capacity[0] > 0 else None
             self._slots_pid = os.getpid()
         return self._slots
 
-    def _take_slot(self, checkout: Checkout | None) -> threading.Semaphore | None:
+    def _take_slot(self, checkout: Checkout | None) -> Slots | None:
         """One of our slots (``None``: no count kept)."""
         slots = self._request_slots()
         if slots is None or slots.acquire(blocking=False):
@@ -141,7 +146,7 @@ class EnginePool(Pool):
                 raise BreakerOpenError(ABANDONED)
             if checkout is None:
                 return self._checkout()
-            if _has_idle(self.engine.pool):
+            if self._counts_idle and self._idle_count() > 0:
                 # The usual case, and the hot path: an idle connection, no connect. (If
                 # another thread takes it first, this connect still ends by its timeout.)
                 return self._checkout(checkout)
@@ -151,6 +156,10 @@ class EnginePool(Pool):
             if slots is not None:
                 slots.release()
             raise
+
+    def _idle_count(self) -> int:
+        pool: Any = self.engine.pool  # a QueuePool (``_counts_idle``)
+        return int(pool.checkedin())
 
     def _give_back(self, conn: Connection) -> None:
         """A checkout its request gave up on while it was made: back to the engine."""
@@ -205,15 +214,16 @@ class EnginePool(Pool):
         conn: Connection = raw
         return conn
 
-    def sqlalchemy_connection(self, raw: Any) -> SAConnection:
+    def sqlalchemy_connection(self, raw: Any) -> tuple[SAConnection, Any]:
         """The SQLAlchemy connection over a DBAPI connection this pool lent, made the
         first time it is asked for (as ``engine.connect()`` makes one, over the
-        pool's proxy this pool already holds)."""
+        pool's proxy this pool already holds), and that proxy (what SQLAlchemy hands
+        the dialect's ``do_begin``, ``do_commit`` and ``do_rollback``)."""
         with self._lock:
             lent = self._lent[raw]
         if lent.connection is None:
             lent.connection = SAConnection(self.engine, lent.fairy)
-        return lent.connection
+        return lent.connection, lent.fairy
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
         with self._lock:
@@ -224,7 +234,7 @@ class EnginePool(Pool):
         try:
             if not discard and not conn.closed:
                 try:
-                    if conn.info.transaction_status != 0:  # not idle: roll back first
+                    if self.driver.in_transaction(conn):  # not idle: roll back first
                         with self.driver.cursor(conn) as cur:
                             cur.execute("ROLLBACK")
                     conn.autocommit = lent.autocommit
@@ -308,13 +318,6 @@ class EnginePool(Pool):
 #: The store's checkout this thread is making, if any: a connect it needs ends by
 #: the checkout's deadline (``_bound_connects``); the app's own connects keep theirs.
 _CONNECT_LIMIT = threading.local()
-
-
-def _has_idle(pool: Any) -> bool:
-    """Whether the engine's pool holds an idle connection (a ``QueuePool``'s
-    ``checkedin()``); a pool that does not say is taken to connect."""
-    checkedin = getattr(pool, "checkedin", None)
-    return callable(checkedin) and int(checkedin()) > 0
 
 
 def _bound_connects(dialect: Any) -> None:

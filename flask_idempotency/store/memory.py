@@ -339,9 +339,6 @@ class MemoryRequest(RequestHandle):
     def held_connection(self) -> Any:
         no_connection()
 
-    def held_connection_or_none(self) -> None:
-        return None
-
     def execute_in_transaction(self, sql: str, *, begin: bool = False) -> None:
         no_connection()
 

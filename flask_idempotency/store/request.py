@@ -132,10 +132,6 @@ class PostgresRequest(RequestHandle):
             raise StoreUnavailableError("the claim's deadline passed before it was sent")
         return min(self._store.deadline, left)
 
-    def held_connection_or_none(self) -> Connection | None:
-        """The connection this request holds right now, if any."""
-        return self._conn
-
     def execute_in_transaction(self, sql: str, *, begin: bool = False) -> None:
         """Run ``sql`` (a joined session's savepoint statement) in this request's
         transaction; with ``begin``, open the transaction first if the view has not,

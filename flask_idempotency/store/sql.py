@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
+import os
 from typing import Any
 
 from .base import StoredResponse
@@ -281,8 +281,8 @@ def timeouts_sql(statement_timeout: float, lock_timeout: float) -> str:
 
 
 def new_token() -> int:
-    """A random positive 63-bit fencing token."""
-    return secrets.randbits(63) or 1
+    """A random positive 63-bit fencing token (from ``os.urandom``, as ``secrets``)."""
+    return (int.from_bytes(os.urandom(8), "big") >> 1) or 1
 
 
 def headers_from_json(raw: Any) -> tuple[tuple[str, str], ...]:
@@ -292,7 +292,28 @@ def headers_from_json(raw: Any) -> tuple[tuple[str, str], ...]:
 def response_params(response: StoredResponse) -> tuple[int, str, Any]:
     """A stored answer as the completion statements take it: the status, the header
     pairs as a JSON array of arrays (each statement casts it to jsonb), the body."""
-    return response.status, json.dumps(response.headers), response.body
+    return response.status, headers_json(response.headers), response.body
+
+
+#: Header sets seen before, as JSON: a route answers with the same few on every
+#: request, and encoding them costs more than the rest of the completion's Python.
+_HEADERS_JSON: dict[tuple[tuple[str, str], ...], str] = {}
+#: The most header sets remembered (a route that puts ids in its headers would
+#: otherwise grow the dict for ever): past it, each is encoded afresh.
+_HEADERS_JSON_LIMIT = 256
+
+
+def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
+    """``json.dumps(headers)``, remembered for the header sets most answers share."""
+    try:
+        encoded = _HEADERS_JSON.get(headers)
+    except TypeError:  # (lists, not tuples: not a key, still JSON)
+        return json.dumps(headers)
+    if encoded is None:
+        encoded = json.dumps(headers)
+        if len(_HEADERS_JSON) < _HEADERS_JSON_LIMIT:
+            _HEADERS_JSON[headers] = encoded
+    return encoded
 
 
 def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:
