@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -133,3 +134,39 @@ def test_settings_are_read_and_validated() -> None:
     for bad, message in bad_configs:
         with pytest.raises(ValueError, match=message):
             settings_from_config(bad)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"b":1,"a":[1.0,2]}',
+        b"[1,2]",
+        b'  {"a": 2}',
+        '{"é":"x"}'.encode(),
+        '{"a":1}'.encode("utf-16-le"),
+        '{"a":1}'.encode("utf-16"),
+        b'\xef\xbb\xbf{"a":1}',
+        b"{",
+        b"{\xff}",
+        b"1",
+    ],
+)
+def test_canonical_body_is_the_sorted_json_of_what_json_loads_reads(body: bytes) -> None:
+    """The fast path (a body opening with { or [ decoded as UTF-8) changes nothing."""
+    try:
+        expected = json.dumps(
+            json.loads(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        ).encode("utf-8", "surrogatepass")
+    except ValueError:
+        expected = body
+    assert canonical_body("application/json", body) == expected
+
+
+def test_stored_headers_json_is_json_dumps_remembered_or_not() -> None:
+    from flask_idempotency.store.sql import headers_json
+
+    pairs = (("Content-Type", "application/json"), ("X-Id", "é"))
+    assert headers_json(pairs) == json.dumps(pairs)
+    assert headers_json(pairs) == json.dumps(pairs)  # (the remembered one)
+    as_lists = [["Location", "/charges/1"]]
+    assert headers_json(as_lists) == json.dumps(as_lists)  # type: ignore[arg-type]
