@@ -250,7 +250,8 @@ def render(
         "requests at a time, in an order rotated each round; "
         f"{meta['cpus']} CPUs, 1-minute load average {meta['load_average'][0]} at the "
         f"start and {meta['load_average'][1]} at the end; Python {meta['python']}, "
-        f"SQLAlchemy {meta['sqlalchemy']}, Flask-SQLAlchemy {meta['flask_sqlalchemy']}.",
+        f"SQLAlchemy {meta['sqlalchemy']}, Flask-SQLAlchemy {meta['flask_sqlalchemy']}."
+        + _rows_text(meta),
         "",
         "CPU per request: this process (Flask, extension, SQLAlchemy, psycopg2) + the "
         "subject's PostgreSQL backends. Medians over rounds, min-max in brackets; "
@@ -296,6 +297,36 @@ def render(
     return "\n".join(lines)
 
 
+def _rows_text(meta: dict[str, Any]) -> str:
+    rows = meta.get("rows_at_end")
+    if not rows:
+        return ""
+    return (
+        " Tables emptied at the start; at the end idempotency_records held "
+        f"{rows['idempotency_records']:,} rows (every extension subject's), "
+        f"bench_sqla_keys {rows['bench_sqla_keys']:,}."
+    )
+
+
+def table_rows(dsn: str) -> dict[str, int]:
+    """Rows in the records' and the hand-written layer's tables (the run's conditions)."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM idempotency_records")
+            records = cur.fetchone()
+            cur.execute("SELECT count(*) FROM bench_sqla_keys")
+            keys = cur.fetchone()
+    finally:
+        conn.close()
+    return {
+        "idempotency_records": int(records[0]) if records else 0,
+        "bench_sqla_keys": int(keys[0]) if keys else 0,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sqla_criteria", description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
@@ -310,6 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reasons:
         raise SystemExit("cannot run: " + "; ".join(reasons))
     run_id = secrets.token_hex(4)
+    # Every run starts from empty tables, as ``make bench`` does: the tables' sizes
+    # move every subject's PostgreSQL CPU (a first request on a database where
+    # earlier runs left their rows cost the hand-written layer twice what it did
+    # on a fresh one here), so runs on different days compare only this way.
+    dsn = bench_app.database_url()
+    bench_app.prepare_database(dsn, subjects)
+    bench_app.reset_database(dsn)
     started, load_before = time.time(), os.getloadavg()
     results = run(subjects, args.rounds, args.n, args.warmup, args.chunk)
     from importlib.metadata import version
@@ -327,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "sqlalchemy": version("sqlalchemy"),
         "flask_sqlalchemy": version("flask-sqlalchemy"),
+        "rows_at_end": table_rows(dsn),
     }
     markdown = render(results, subjects, meta)
     print(markdown)

@@ -14,6 +14,10 @@ interleaved over rounds:
   ``INSERT``, the completed record's ``INSERT`` with the ``COMMIT``;
 * ``transaction claim only``: that claim and a ``ROLLBACK``, against
   ``BEGIN`` and ``ROLLBACK`` alone (``begin+rollback``): the claim's own cost;
+* ``hand-written``: what ``sqla-handwritten`` (``benchmarks.sqla``) sends, at the
+  driver: ``BEGIN``, its key's ``INSERT ... ON CONFLICT DO NOTHING``, the
+  business ``INSERT``, the ``UPDATE`` storing the answer, ``COMMIT`` (every
+  statement planned afresh, as SQLAlchemy's ``text()`` sends it);
 * ``bare + record``: ``bare`` with the completed record inserted before its
   ``COMMIT``: what storing the answer durably costs, without any claim;
 * ``bare + savepoint``: ``bare`` with ``SAVEPOINT`` before the ``INSERT`` and
@@ -140,6 +144,14 @@ def new_key() -> tuple[bytes, bytes]:
     return record_key, hashlib.sha256(record_key).digest()
 
 
+#: ``sqla-handwritten``'s statements (``benchmarks.sqla``), as psycopg2 sends them.
+HANDWRITTEN_CLAIM = (
+    "INSERT INTO bench_sqla_keys (key, fingerprint) VALUES (%s, %s) "
+    "ON CONFLICT (key) DO NOTHING RETURNING true"
+)
+HANDWRITTEN_COMPLETE = "UPDATE bench_sqla_keys SET status = %s, body = %s WHERE key = %s"
+
+
 def business_insert(tx: PostgresRequest) -> None:
     with tx.connection().cursor() as cur:
         cur.execute(INSERT_CHARGE, (1000, "usd"))
@@ -169,6 +181,18 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
             cur.execute("BEGIN")
             cur.execute(INSERT_CHARGE, (1000, "usd"))
             cur.fetchone()
+            cur.execute("COMMIT")
+
+    def hand_written() -> None:
+        key = secrets.token_hex(16)
+        fingerprint = hashlib.sha256(key.encode()).digest()
+        with plain.cursor() as cur:
+            cur.execute("BEGIN")
+            cur.execute(HANDWRITTEN_CLAIM, (key, fingerprint))
+            cur.fetchone()
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(HANDWRITTEN_COMPLETE, (201, RESPONSE.body.decode(), key))
             cur.execute("COMMIT")
 
     def bare_and_record() -> None:
@@ -210,6 +234,7 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
         "bare": ("plain", bare),
         "row": ("row", lambda: first_request(row)),
         "transaction": ("transaction", lambda: first_request(transaction)),
+        "hand-written": ("plain", hand_written),
         "bare + record": ("plain", bare_and_record),
         "begin+rollback": ("plain", begin_rollback),
         "transaction claim only": ("transaction", claim_only),
@@ -267,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--database-url", default=None)
     args = parser.parse_args(argv)
     dsn = args.database_url or database_url()
-    prepare_database(dsn)
+    prepare_database(dsn, ["sqla-handwritten"])
     probe = Probe(dsn)
     results: dict[str, list[Cost]] = {}
     try:
