@@ -116,11 +116,9 @@ class EnginePool(Pool):
             self._slots_pid = os.getpid()
         return self._slots
 
-    def _take_slot(self, checkout: Checkout | None) -> Slots | None:
-        """One of our slots (``None``: no count kept)."""
-        slots = self._request_slots()
-        if slots is None or slots.acquire(blocking=False):
-            return slots
+    def _wait_for_slot(self, slots: Slots, checkout: Checkout | None) -> None:
+        """Every slot is taken: wait for one as the engine's pool would (its
+        ``timeout()``), within ``checkout``'s terms, or raise."""
         timeout = getattr(self.engine.pool, "timeout", None)
         wait = float(timeout()) if callable(timeout) else DEFAULT_WAIT
         observer = self.observer
@@ -132,7 +130,7 @@ class EnginePool(Pool):
             if observer is not None:
                 observer.pool_waiting(-1)
         if taken:
-            return slots
+            return
         if checkout is not None and checkout.abandoned():
             raise BreakerOpenError(ABANDONED)
         if observer is not None:
@@ -140,13 +138,16 @@ class EnginePool(Pool):
         raise StoreUnavailableError("no free connection in db's pool")
 
     def getconn(self, checkout: Checkout | None = None) -> Connection:
-        slots = self._take_slot(checkout)
+        slots = self._slots if self._slots_pid == os.getpid() else self._request_slots()
+        if slots is not None and not slots.acquire(blocking=False):
+            self._wait_for_slot(slots, checkout)
         try:
-            if checkout is not None and checkout.abandoned():
-                raise BreakerOpenError(ABANDONED)
             if checkout is None:
-                return self._checkout()
-            if self._counts_idle and self._idle_count() > 0:
+                return self._checkout(None)
+            if checkout.abandoned():
+                raise BreakerOpenError(ABANDONED)
+            pool: Any = self.engine.pool
+            if self._counts_idle and pool.checkedin() > 0:
                 # The usual case, and the hot path: an idle connection, no connect. (If
                 # another thread takes it first, this connect still ends by its timeout.)
                 return self._checkout(checkout)
@@ -156,10 +157,6 @@ class EnginePool(Pool):
             if slots is not None:
                 slots.release()
             raise
-
-    def _idle_count(self) -> int:
-        pool: Any = self.engine.pool  # a QueuePool (``_counts_idle``)
-        return int(pool.checkedin())
 
     def _give_back(self, conn: Connection) -> None:
         """A checkout its request gave up on while it was made: back to the engine."""
@@ -173,16 +170,12 @@ class EnginePool(Pool):
         except driver.ERRORS:
             lent.give_back(invalidate=True)
 
-    def _checkout(self, checkout: Checkout | None = None) -> Connection:
-        _CONNECT_LIMIT.checkout = checkout
-        try:
-            return self._checkout_now()
-        finally:
-            _CONNECT_LIMIT.checkout = None
-
-    def _checkout_now(self) -> Connection:
+    def _checkout(self, checkout: Checkout | None) -> Connection:
+        """One of the engine's connections, lent to the store in autocommit mode; a
+        connect it needs ends by ``checkout``'s deadline (``_bound_connects``)."""
         # The pool's proxy, not engine.connect(): a replay needs no SQLAlchemy
         # Connection, and the join makes one over this proxy when it needs it.
+        _CONNECT_LIMIT.checkout = checkout
         try:
             fairy = self.engine.raw_connection()
         except sqlalchemy.exc.TimeoutError as exc:
@@ -198,6 +191,8 @@ class EnginePool(Pool):
             raise StoreUnavailableError(
                 f"cannot connect to PostgreSQL: {connect_failure(exc)}"
             ) from exc
+        finally:
+            _CONNECT_LIMIT.checkout = None
         raw: Any = fairy.driver_connection
         try:
             lent = _Lent(fairy, bool(raw.autocommit))
@@ -240,7 +235,11 @@ class EnginePool(Pool):
                     conn.autocommit = lent.autocommit
                 except driver.ERRORS:
                     discard = True
-            lent.give_back(invalidate=discard or bool(conn.closed))
+            # Back through the SQLAlchemy connection if one was made over it.
+            owner: Any = lent.connection if lent.connection is not None else lent.fairy
+            if discard or conn.closed:
+                owner.invalidate()
+            owner.close()
         finally:
             if self.observer is not None:
                 self.observer.pool_checkin()

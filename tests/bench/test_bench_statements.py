@@ -22,6 +22,7 @@ def test_statements_smoke(clean_db: str, capsys: pytest.CaptureFixture[str]) -> 
         "bare",
         "row",
         "transaction",
+        "hand-written",
         "bare + record",
         "begin+rollback",
         "transaction claim only",
@@ -34,4 +35,7 @@ def test_statements_smoke(clean_db: str, capsys: pytest.CaptureFixture[str]) -> 
     with psycopg2.connect(clean_db) as conn, conn.cursor() as cur:
         cur.execute("SELECT state, count(*) FROM idempotency_records GROUP BY state")
         assert dict(cur.fetchall()) == {"completed": 3 * 40}
+        # The hand-written layer's keys, each with its stored answer.
+        cur.execute("SELECT status, count(*) FROM bench_sqla_keys GROUP BY status")
+        assert dict(cur.fetchall()) == {201: 40}
     conn.close()
