@@ -49,6 +49,14 @@ class RouteOptions:
     recover: RecoverFunc | None = None
     recovery_data: RecoveryDataFunc | None = None
 
+    def __post_init__(self) -> None:
+        # Hashed on every request (``AppState.options_for``): once, not field by field.
+        values = tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+        object.__setattr__(self, "_hash", hash(values))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[no-any-return,attr-defined]
+
     def effective(self, settings: Settings) -> EffectiveOptions:
         """The route's values, falling back to the app's settings."""
         return EffectiveOptions(

@@ -170,3 +170,13 @@ def test_stored_headers_json_is_json_dumps_remembered_or_not() -> None:
     assert headers_json(pairs) == json.dumps(pairs)  # (the remembered one)
     as_lists = [["Location", "/charges/1"]]
     assert headers_json(as_lists) == json.dumps(as_lists)  # type: ignore[arg-type]
+
+
+def test_route_options_hash_once_and_compare_by_value() -> None:
+    from flask_idempotency.route_options import RouteOptions
+
+    first, same = RouteOptions(True, ttl=5.0), RouteOptions(True, ttl=5.0)
+    other = RouteOptions(True)
+    assert first == same and hash(first) == hash(same)
+    assert first != other
+    assert {first: "route"}[same] == "route"
