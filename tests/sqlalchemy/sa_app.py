@@ -250,6 +250,9 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
                 db.session.close()
             db.session.add(Transfer(label=label, amount=amount, step="after_remove"))
             db.session.commit()
+        elif then == "lost_connection":
+            # The request's connection dies under the view (its backend ends).
+            db.session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
         elif then == "raise":
             raise RuntimeError("the view failed after its commit")
         elif then == "declined":
