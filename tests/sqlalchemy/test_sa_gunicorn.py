@@ -31,6 +31,7 @@ from sa_harness import (
 
 from support.gunicorn_server import GunicornServer
 from support.http_client import HttpResponse
+from support.pg_query import query
 from support.records import end_leases
 
 #: ``make test-transaction-mode`` runs this folder again with the claim in the
@@ -92,6 +93,22 @@ def test_worker_killed_after_commit_keeps_nothing_and_the_retry_runs_once(
     assert rows(url, label) == ["first"]
 
 
+def _stall_facts(database_url: str, pid: int) -> str:
+    """The stalled worker's process state, and the records' states and live leases."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            process = stat.read().rsplit(")", 1)[1].split()[0]  # T: stopped
+    except OSError:
+        process = "gone"
+    live = query(
+        database_url,
+        "SELECT count(*) FROM idempotency_records"
+        " WHERE state = 'processing' AND lease_expires_at > now()",
+    )[0][0]
+    states = record_states(database_url)
+    return f"worker {pid} state {process}, records {states}, live leases {live}"
+
+
 @pytest.mark.skipif(
     TRANSACTION_MODE, reason="transaction claim mode has no lease: a stalled holder keeps its key"
 )
@@ -106,10 +123,14 @@ def test_stalled_holder_is_fenced_after_a_takeover(
     try:
         assert end_leases(database_url) >= 1
         gates.open(gate)  # for when the holder resumes
+        before = _stall_facts(database_url, pid)
         retry = post(server, label)  # taken over, on the other worker
-        assert retry.status == 201, retry.body
-        assert retry.headers["Idempotent-Replayed"] == "false"
-        assert rows(url, label) == ["first"]
+        # (What to look at if this ever fails: a replay here means the record was
+        # completed while the holder was meant to be stopped.)
+        facts = f"before the retry: {before}; after: {_stall_facts(database_url, pid)}"
+        assert retry.status == 201, f"{retry.body!r}; {facts}"
+        assert retry.headers["Idempotent-Replayed"] == "false", facts
+        assert rows(url, label) == ["first"], facts
     finally:
         os.kill(pid, signal.SIGCONT)
 
