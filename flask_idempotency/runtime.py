@@ -70,7 +70,7 @@ def run_view(
         key = None
     else:
         try:
-            key = keys.parse_key(req.environ.get(_environ_key(settings.key_header)))
+            key = keys.parse_key(req.environ.get(settings.key_environ_name))
             if key is None and options.required:
                 keys.require_key(None)
         except IdempotencyError as exc:
@@ -141,22 +141,6 @@ def run_view(
     raise RequestInProgress(
         retry_after=flow.retry_after_seconds(settings.retry_after, lease_remaining)
     )
-
-
-#: The WSGI environ's name of each key header (``Idempotency-Key`` is
-#: ``HTTP_IDEMPOTENCY_KEY``): read there, as ``request.headers`` would after
-#: spelling the name out again on every request.
-_ENVIRON_KEYS: dict[str, str] = {}
-
-
-def _environ_key(header: str) -> str:
-    name = _ENVIRON_KEYS.get(header)
-    if name is None:
-        name = header.upper().replace("-", "_")
-        if name not in ("CONTENT_TYPE", "CONTENT_LENGTH"):  # (CGI's two without HTTP_)
-            name = "HTTP_" + name
-        _ENVIRON_KEYS[header] = name
-    return name
 
 
 def _sync(app: Flask, view: Callable[..., Any], is_async: bool) -> Callable[..., Any]:

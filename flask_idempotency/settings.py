@@ -7,6 +7,7 @@ Bad values fail at start-up with a clear ``ValueError``, not on the first reques
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -187,6 +188,13 @@ class Settings:
         if self.lease_renew_interval is None:
             return self.lease / 3.0
         return self.lease_renew_interval
+
+    @functools.cached_property
+    def key_environ_name(self) -> str:
+        """Where WSGI puts the key header (``Idempotency-Key``:
+        ``HTTP_IDEMPOTENCY_KEY``), as ``request.headers`` spells it on each read."""
+        name = self.key_header.upper().replace("-", "_")
+        return name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{name}"
 
 
 _SECONDS_FIELDS = {

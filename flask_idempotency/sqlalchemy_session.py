@@ -91,8 +91,8 @@ class Joined:
     connection: SAConnection
     tx: PostgresRequest
     #: The DBAPI connection and the pool's proxy of it (``_JOINED_BY_DBAPI``'s keys).
-    raw: Any = None
-    proxy: Any = None
+    raw: Any
+    proxy: Any
     #: The session's statements can carry the deferred ones in their round trip.
     inline: bool = False
     #: A savepoint marks where the current stretch of work began.
@@ -335,11 +335,7 @@ def _joined_to(dbapi_connection: Any) -> Joined | None:
     proxy of the driver's connection, or the driver's connection itself)."""
     if not _JOINED_BY_DBAPI:
         return None
-    joined = _JOINED_BY_DBAPI.get(dbapi_connection)
-    if joined is None:  # (handed something else: the driver's connection under it)
-        raw = getattr(dbapi_connection, "driver_connection", dbapi_connection)
-        joined = _JOINED_BY_DBAPI.get(raw)
-    return joined
+    return _JOINED_BY_DBAPI.get(dbapi_connection)
 
 
 def from_app(

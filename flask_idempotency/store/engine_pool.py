@@ -235,11 +235,7 @@ class EnginePool(Pool):
                     conn.autocommit = lent.autocommit
                 except driver.ERRORS:
                     discard = True
-            # Back through the SQLAlchemy connection if one was made over it.
-            owner: Any = lent.connection if lent.connection is not None else lent.fairy
-            if discard or conn.closed:
-                owner.invalidate()
-            owner.close()
+            lent.give_back(invalidate=discard or bool(conn.closed))
         finally:
             if self.observer is not None:
                 self.observer.pool_checkin()

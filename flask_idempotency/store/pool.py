@@ -408,8 +408,7 @@ class ConnectionPool(Pool):
             return  # borrowed before a fork; the slot belongs to the old pool
         try:
             if not discard and not conn.closed:
-                # (get_transaction_status(): conn.info builds an object per read)
-                if conn.get_transaction_status() != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+                if self.driver.in_transaction(conn):
                     conn.rollback() if not conn.autocommit else _rollback_raw(conn)
                 with self._lock:
                     self._idle.append(conn)
@@ -488,7 +487,7 @@ class BorrowedPool(Pool):
         autocommit = self._lent.pop(conn, None)
         if not discard and not conn.closed:
             try:
-                if conn.info.transaction_status != psycopg2.extensions.TRANSACTION_STATUS_IDLE:
+                if self.driver.in_transaction(conn):
                     _rollback_raw(conn)
                 if autocommit is not None:
                     conn.autocommit = autocommit

@@ -180,3 +180,10 @@ def test_route_options_hash_once_and_compare_by_value() -> None:
     assert first == same and hash(first) == hash(same)
     assert first != other
     assert {first: "route"}[same] == "route"
+
+
+def test_the_key_header_is_read_where_wsgi_puts_it() -> None:
+    from flask_idempotency.settings import Settings
+
+    assert Settings().key_environ_name == "HTTP_IDEMPOTENCY_KEY"
+    assert Settings(key_header="X-Request-Key").key_environ_name == "HTTP_X_REQUEST_KEY"
