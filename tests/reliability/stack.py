@@ -216,6 +216,13 @@ class Stack:
             found.setdefault(customer, []).append(charge_id)
         return found
 
+    def app_warnings(self, limit: int = 20) -> list[str]:
+        """The extension's own warnings in the app's log so far (a refused request
+        says why), the first ``limit``: for a failing test's message."""
+        lines = self.app.log_text().splitlines()
+        wanted = ("idempotency: store_unavailable", "flask_idempotency", "breaker", "Traceback")
+        return [line for line in lines if any(w in line for w in wanted)][:limit]
+
     def record_states(self) -> Counter[str]:
         """Idempotency records by state, over the whole database."""
         rows = self.query("SELECT state, count(*) FROM idempotency_records GROUP BY state")
@@ -226,8 +233,18 @@ class Stack:
         return int(rows[0][0])
 
 
+#: gunicorn's line for each malformed request the hostile-input tests send: hundreds
+#: of them would push what the app itself said out of the tail.
+_HOSTILE_NOISE = "Invalid request from ip="
+
+
 def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:])
+    """The last ``lines`` lines of a log, gunicorn's malformed-request lines counted
+    rather than shown."""
+    kept = [line for line in text.splitlines() if _HOSTILE_NOISE not in line]
+    noise = text.count(_HOSTILE_NOISE)
+    counted = [f"({noise} lines of gunicorn's 'Invalid request' left out)"] if noise else []
+    return "\n".join(counted + kept[-lines:])
 
 
 # -- databases of our own on the run's server -------------------------------------------

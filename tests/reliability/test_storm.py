@@ -78,7 +78,10 @@ def test_storm_executes_each_key_exactly_once(
     )
 
     unexpected = [a.describe() for a in storm if (a.status, a.code) not in _ALLOWED]
-    assert not unexpected, f"answers outside 201 / 409 in_progress: {unexpected[:10]}"
+    assert not unexpected, (
+        f"answers outside 201 / 409 in_progress: {unexpected[:10]}; "
+        f"the app said: {stack.app_warnings()}"
+    )
     for answer in storm:
         if answer.status == 409:
             assert answer.headers.get("retry-after", "").isdigit()
