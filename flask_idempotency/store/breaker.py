@@ -91,19 +91,29 @@ class StoreBreaker:
         ran out together are counted before any of their threads takes a new request."""
         self.failed("no answer before the deadline")
 
-    def outcome(self, conn: Any, error: BaseException | None, *, fired: bool) -> None:
+    def outcome(
+        self,
+        conn: Any,
+        error: BaseException | None,
+        *,
+        fired: bool,
+        retried_if_lost: bool = False,
+    ) -> None:
         """Count how one of the extension's statements on ``conn`` ended, once its
         caller has it: failed with ``error`` or answered (a statement the watchdog
         cut, ``fired``, was counted by :meth:`no_answer`). Only a lost connection
-        counts as a failure among errors; a refusal to write (a standby) is an
-        answer, as are a constraint or a timeout of the server's."""
+        counts as a failure among errors, and not when the caller retries it on a
+        fresh connection (``retried_if_lost``: that attempt counts); a refusal to
+        write (a standby) is an answer, as are a constraint or a timeout of the
+        server's."""
         if fired:
             return
         if error is None:
             self.answered()
         elif isinstance(error, driver.ERRORS):
             if is_unreachable(error, conn) and sqlstate(error) != READ_ONLY_SQLSTATE:
-                self.failed(type(error).__name__)
+                if not retried_if_lost:
+                    self.failed(type(error).__name__)
             else:
                 self.answered()
 

@@ -69,6 +69,7 @@ class RequestStore(Protocol):
 
     def forget_prepared(self, conn: Connection) -> None: ...
 
+
 log = logging.getLogger("flask_idempotency.store")
 
 
@@ -197,11 +198,17 @@ class PostgresRequest(RequestHandle):
         *,
         fetch: bool = False,
         seconds: float | None = None,
+        retried_if_lost: bool = False,
     ) -> Any:
         """Run one of the extension's own statements under the client-side deadline
         (``seconds``, if less); the first row if ``fetch``. Raises the driver's
         errors; a statement the watchdog had to cut off raises ``OperationalError``
-        and marks the request unresponsive. The outcome is the store breaker's."""
+        and marks the request unresponsive. The outcome is the store breaker's,
+        except a lost connection the caller retries on a fresh one
+        (``retried_if_lost``): a pooled connection that died while idle (a restart,
+        a healed partition) says nothing about the server now, and a burst of
+        requests on a pool full of them would open the breaker on a server that is
+        up. The retry's connect or statement counts instead."""
         if self._deferred is not None:
             sql = f"{self._deferred};\n{sql}"
             self._deferred = None
@@ -224,7 +231,7 @@ class PostgresRequest(RequestHandle):
             fired = WATCHDOG.unwatch(ticket)
             if fired:
                 self._unresponsive = True
-            breaker.outcome(conn, error, fired=fired)
+            breaker.outcome(conn, error, fired=fired, retried_if_lost=retried_if_lost)
         if fired:  # answered as the socket was shut down: the connection is gone anyway
             raise psycopg2.OperationalError("no answer from PostgreSQL before the deadline")
         return row
@@ -411,7 +418,12 @@ class RowClaimRequest(PostgresRequest):
             seconds = self._seconds_left(until)
             try:
                 row = self._execute(
-                    conn, self._store.claim_sql(conn), params, fetch=True, seconds=seconds
+                    conn,
+                    self._store.claim_sql(conn),
+                    params,
+                    fetch=True,
+                    seconds=seconds,
+                    retried_if_lost=not retried_connection,
                 )
             except driver.ERRORS as exc:
                 if self._unresponsive:
@@ -480,7 +492,14 @@ class TransactionClaimRequest(PostgresRequest):
             conn = self._acquire(until)
             seconds = self._seconds_left(until)
             try:
-                row = self._execute(conn, CLAIM_IN_TRANSACTION, params, fetch=True, seconds=seconds)
+                row = self._execute(
+                    conn,
+                    CLAIM_IN_TRANSACTION,
+                    params,
+                    fetch=True,
+                    seconds=seconds,
+                    retried_if_lost=attempt == 0,
+                )
                 break
             except driver.ERRORS as exc:
                 unreachable = self._unresponsive or is_unreachable(exc, conn)

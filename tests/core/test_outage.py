@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg2
 import pytest
 from flask import Flask
 
@@ -64,3 +66,56 @@ def test_server_restart_is_survived(
     assert post(app, "up").status_code == 200
     assert post(app, "warm-0").headers["Idempotent-Replayed"] == "true"
     assert app.extensions["runs"] == ["plain"] * 4
+
+
+@pytest.mark.parametrize("claim_mode", ["row", "transaction"])
+def test_stale_pooled_connections_do_not_open_the_breaker(
+    clean_db: str, apps: list[Flask], claim_mode: str
+) -> None:
+    """After a restart or a healed partition the pool's idle connections are dead: each
+    fails its first statement, and the claim retries on a fresh connection. Such a
+    failure says nothing about PostgreSQL now, so it must not count toward the store's
+    circuit breaker; a burst of requests on a pool full of them would otherwise open
+    it and answer 503 for a whole cooldown while the server is up. A threshold of one
+    makes a single wrongly counted failure show."""
+    name = f"stale-pool-{claim_mode}"
+    app = core_app.create_app(
+        clean_db,
+        {
+            "IDEMPOTENCY_CLAIM_MODE": claim_mode,
+            "IDEMPOTENCY_DATABASE_OPTIONS": {"breaker_threshold": 1, "application_name": name},
+        },
+    )
+    apps.append(app)
+    assert post(app, "warm").status_code == 200
+
+    with psycopg2.connect(clean_db) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (name,),
+        )
+        assert cur.rowcount >= 1
+    conn.close()
+    _wait_until_gone(clean_db, name)
+
+    after = post(app, "after-restart")
+    assert after.status_code == 200, after.get_json()
+    assert post(app, "warm").headers["Idempotent-Replayed"] == "true"
+    assert app.extensions["idempotency"].store.breaker.state.value == "closed"
+
+
+def _wait_until_gone(database_url: str, application_name: str) -> None:
+    """Until the terminated backends have exited (pg_terminate_backend only signals)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                (application_name,),
+            )
+            row = cur.fetchone()
+        conn.close()
+        if row is not None and row[0] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"backends of {application_name} still alive")
