@@ -163,15 +163,9 @@ class PostgresStore(Maintenance):
         propagates unchanged after the rollback, as does a ``COMMIT`` that fails
         for a reason of its own (a deferred constraint).
         """
-        conn = self.pool.getconn()
+        conn = self._begun()
         broken = False
         try:
-            try:
-                with conn.cursor() as cur:
-                    cur.execute("BEGIN")
-            except driver.ERRORS as exc:
-                broken = is_unreachable(exc, conn)
-                raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
             try:
                 yield conn
             except BaseException as exc:
@@ -200,6 +194,24 @@ class PostgresStore(Maintenance):
             self.pool.putconn(conn, discard=broken or bool(conn.closed))
             if broken:
                 self.pool.discard_idle()
+
+    def _begun(self, *, retry: bool = True) -> Connection:
+        """A pooled connection with ``BEGIN`` sent. One that died while idle in the
+        pool (after a restart or a healed partition) is dropped with its idle peers
+        and, with ``retry``, replaced once: nothing was in its transaction yet."""
+        conn = self.pool.getconn()
+        try:
+            with conn.cursor() as cur:
+                cur.execute("BEGIN")
+        except driver.ERRORS as exc:
+            lost = is_unreachable(exc, conn)
+            self.pool.putconn(conn, discard=lost or bool(conn.closed))
+            if lost:
+                self.pool.discard_idle()
+                if retry:
+                    return self._begun(retry=False)
+            raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
+        return conn
 
     def ping(self) -> None:
         """One short statement under the extension's timeouts (health checks); at once

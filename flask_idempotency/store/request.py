@@ -239,16 +239,36 @@ class PostgresRequest(RequestHandle):
     def connection(self) -> Connection:
         """The connection, in this request's transaction (opened now if it is not,
         and anything deferred sent first: the caller's own cursor comes next)."""
+        if self._in_transaction:
+            conn = self._acquire()
+            opening = self.take_deferred()
+            if opening is not None:
+                self._open(conn, opening, retried_if_lost=False)
+            return conn
+        # Nothing of this request's transaction exists yet, so a pooled connection
+        # that died while idle (a keyless request's first statement after a restart)
+        # is retried once on a fresh one, as the claim is.
         conn = self._acquire()
-        opening = self.take_deferred() if self._in_transaction else "BEGIN"
-        if opening is not None:
-            try:
-                self._execute(conn, opening)
-            except driver.ERRORS as exc:
-                self._drop(peers=self._unresponsive or is_unreachable(exc, conn))
-                raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
-            self._in_transaction = True
+        if not self._open(conn, "BEGIN", retried_if_lost=True):
+            conn = self._acquire()
+            self._open(conn, "BEGIN", retried_if_lost=False)
         return conn
+
+    def _open(self, conn: Connection, opening: str, *, retried_if_lost: bool) -> bool:
+        """Send what opens the view's transaction (or its next stretch) on ``conn``:
+        True once sent; False if ``retried_if_lost`` and the connection turned out
+        lost (dropped: the caller retries on a fresh one); ``StoreUnavailableError``
+        otherwise."""
+        try:
+            self._execute(conn, opening, retried_if_lost=retried_if_lost)
+        except driver.ERRORS as exc:
+            unreachable = self._unresponsive or is_unreachable(exc, conn)
+            self._drop(peers=unreachable)
+            if unreachable and retried_if_lost and not self._unresponsive:
+                return False
+            raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
+        self._in_transaction = True
+        return True
 
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         conn = self._acquire()

@@ -10,6 +10,7 @@ import psycopg2
 import pytest
 from flask import Flask
 
+from flask_idempotency import Idempotency
 from support import core_app
 from support.postgres_server import ThrowawayPostgres
 from support.tcp_proxy import TcpProxy
@@ -89,23 +90,23 @@ def test_stale_pooled_connections_do_not_open_the_breaker(
     apps.append(app)
     assert post(app, "warm").status_code == 200
 
-    with psycopg2.connect(clean_db) as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-            (name,),
-        )
-        assert cur.rowcount >= 1
-    conn.close()
-    _wait_until_gone(clean_db, name)
-
+    _terminate_backends(clean_db, name)
     after = post(app, "after-restart")
     assert after.status_code == 200, after.get_json()
     assert post(app, "warm").headers["Idempotent-Replayed"] == "true"
     assert app.extensions["idempotency"].store.breaker.state.value == "closed"
 
 
-def _wait_until_gone(database_url: str, application_name: str) -> None:
-    """Until the terminated backends have exited (pg_terminate_backend only signals)."""
+def _terminate_backends(database_url: str, application_name: str) -> None:
+    """End the app's PostgreSQL sessions, as a restart would, and wait until they are
+    gone (``pg_terminate_backend`` only signals): its pool now holds dead ones."""
+    with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
+        cur.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        )
+        assert cur.rowcount >= 1
+    conn.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
@@ -119,3 +120,37 @@ def _wait_until_gone(database_url: str, application_name: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"backends of {application_name} still alive")
+
+
+def test_keyless_transactions_survive_stale_pooled_connections(
+    clean_db: str, apps: list[Flask]
+) -> None:
+    """Requests that claim nothing open their transaction on a pooled connection too:
+    on an optional route called without a key (``idempotency.connection()``) and in
+    ``idempotency.transaction()``. A connection that died while idle is replaced
+    there as well, without a 503 and without counting toward the breaker."""
+    name = "stale-pool-keyless"
+    app = core_app.create_app(
+        clean_db,
+        {"IDEMPOTENCY_DATABASE_OPTIONS": {"breaker_threshold": 1, "application_name": name}},
+    )
+    apps.append(app)
+    idem: Idempotency = app.extensions["idem"]
+
+    @app.post("/keyless-connection")
+    @idem.optional
+    def keyless_connection() -> tuple[str, int]:
+        with idem.connection().cursor() as cur:
+            cur.execute("INSERT INTO core_business_rows (label) VALUES ('keyless')")
+        return "", 204
+
+    client = app.test_client()
+    assert client.post("/keyless-connection").status_code == 204
+    _terminate_backends(clean_db, name)
+    assert client.post("/keyless-connection").status_code == 204
+
+    assert client.post("/optional", data=b"x").status_code == 201  # its view: transaction()
+    _terminate_backends(clean_db, name)
+    assert client.post("/optional", data=b"x").status_code == 201
+    assert app.extensions["idempotency"].store.breaker.state.value == "closed"
+    assert app.extensions["runs"] == ["optional", "optional"]
