@@ -70,6 +70,7 @@ test-topologies: venv
 # mypy reads its file list and strictness from setup.cfg.
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

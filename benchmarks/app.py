@@ -149,6 +149,7 @@ REDIS_SUBJECTS = frozenset(
 EXTENSION_REDIS_SUBJECTS = REDIS_SUBJECTS & EXTENSION_SUBJECTS
 PEERS_REQUIREMENTS = "benchmarks/requirements-peers.txt"
 
+
 def claim_mode_available() -> bool:
     """Whether this checkout's extension has ``IDEMPOTENCY_CLAIM_MODE``."""
     return "claim_mode" in {field.name for field in dataclasses.fields(Settings)}

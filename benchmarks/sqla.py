@@ -119,9 +119,7 @@ def register(subject: str, app: Flask, dsn: str, config: dict[str, Any] | None =
 
     config = dict(config or {})
     engine = engine_config(subject, dsn)
-    engine["SQLALCHEMY_ENGINE_OPTIONS"]["connect_args"].update(
-        config.pop("BENCH_CONNECT_ARGS", {})
-    )
+    engine["SQLALCHEMY_ENGINE_OPTIONS"]["connect_args"].update(config.pop("BENCH_CONNECT_ARGS", {}))
     app.config.update(engine)
     db = SQLAlchemy(app)
 

@@ -97,9 +97,7 @@ def hold(ctx: RequestState, token: int, lease: float) -> None:
         ctx.state.keeper.hold(LeaseHold(ctx.record_key, token, lease))
 
 
-def settle(
-    ctx: RequestState, response: Response
-) -> tuple[flow.Settlement, StoredResponse | None]:
+def settle(ctx: RequestState, response: Response) -> tuple[flow.Settlement, StoredResponse | None]:
     """What a finished answer means for the record: store it, release the claim,
     or neither (too large to store). Reading a streamed body may raise."""
     settings = ctx.state.settings

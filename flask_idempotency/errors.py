@@ -243,4 +243,3 @@ class ResponseTooLarge(IdempotencyError):
     title = "Response too large to store"
     error_code = "response_too_large"
     description = "The response was too large to store for idempotent replay; nothing was kept."
-

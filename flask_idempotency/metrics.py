@@ -208,9 +208,7 @@ NULL_PHASE = Phase()
 class _Phase(Phase):
     __slots__ = ("_observers", "_name", "_attributes", "_tokens", "_started")
 
-    def __init__(
-        self, observers: tuple[Observer, ...], name: str, attributes: Attributes
-    ) -> None:
+    def __init__(self, observers: tuple[Observer, ...], name: str, attributes: Attributes) -> None:
         self._observers = observers
         self._name = name
         self._attributes = attributes

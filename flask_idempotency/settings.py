@@ -252,9 +252,7 @@ def _coerce_seconds(name: str, value: Any) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(
-            f"{config_key(name)} must be a number of seconds, got {value!r}"
-        ) from None
+        raise ValueError(f"{config_key(name)} must be a number of seconds, got {value!r}") from None
 
 
 def _coerce_int(name: str, value: Any) -> int:
@@ -472,6 +470,4 @@ def validate(settings: Settings) -> None:
     if not settings.statement_timeout > 0:
         raise ValueError(f"{config_key('statement_timeout')} must be positive")
     if not settings.lock_timeout >= 0:
-        raise ValueError(
-            f"{config_key('lock_timeout')} must not be negative (0 = no lock timeout)"
-        )
+        raise ValueError(f"{config_key('lock_timeout')} must not be negative (0 = no lock timeout)")

@@ -84,12 +84,12 @@ class Relay:
         #: "The relay ran": what ``flask idempotency doctor`` reads to say it is alive.
         self.heartbeat = Heartbeat(store, "relay")
 
-
     @classmethod
     def for_app(cls, app: Flask, publisher: EventPublisher, **options: Any) -> Relay:
         """A relay over ``app``'s outbox (the extension's store), publishing with
         ``publisher``; ``options`` as for the constructor."""
         return cls(app_state(app).store, publisher, **options)
+
     def relay_batch(self) -> int:
         """Publish one batch; return how many rows it took (0: nothing pending).
 

@@ -72,7 +72,6 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
-
 #: Reads of the multiprocess directory before a scrape gives up (see ``exposition``).
 _SCRAPE_TRIES = 5
 

@@ -54,9 +54,7 @@ class Watchdog:
         self._running = False
         self.fired = 0
 
-    def watch(
-        self, conn: Any, seconds: float, on_fire: Callable[[], None] | None = None
-    ) -> int:
+    def watch(self, conn: Any, seconds: float, on_fire: Callable[[], None] | None = None) -> int:
         """Start watching one statement on ``conn``; returns the ticket for ``unwatch``.
 
         ``on_fire`` is called if the deadline passes, before any socket of that

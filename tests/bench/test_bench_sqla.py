@@ -170,5 +170,3 @@ def _post(client: Any, key: str | None, body: bytes = REQUEST_BODY) -> TestRespo
     headers = {"Idempotency-Key": key} if key else {}
     response: TestResponse = client.post("/charges", data=body, headers=headers, content_type=JSON)
     return response
-
-

@@ -178,5 +178,3 @@ def test_a_short_run_measures_a_peer_through_gunicorn(
             assert len(rows) == 1 and rows[0].endswith("| 201: 100% |"), rows
     distribution = bench_app.PEERS[peer][1].split("[")[0]
     assert f"Peers from the package index: {distribution} " in report
-
-

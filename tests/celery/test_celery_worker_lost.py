@@ -109,9 +109,7 @@ def test_a_task_that_kills_its_worker_once_completes_once(
     assert value["attempt"] == 2
     assert attempts(clean_db, order) == 2
     assert query(clean_db, "SELECT attempt FROM ct_effects WHERE key = %s", (order,)) == [(2,)]
-    assert query(clean_db, "SELECT state, takeovers FROM idempotency_records") == [
-        ("completed", 1)
-    ]
+    assert query(clean_db, "SELECT state, takeovers FROM idempotency_records") == [("completed", 1)]
     # A redelivery replays the stored result.
     again = celery_client.send_task("ct.crash", args=[order], kwargs={"die_times": 1})
     assert again.get(timeout=RESULT_TIMEOUT) == value

@@ -17,9 +17,7 @@ AUTH = {"Authorization": "Bearer key_transfers"}
 @pytest.fixture
 def app(clean_db: str) -> Iterator[Flask]:
     url = clean_db.replace("postgresql://", "postgresql+psycopg2://", 1)
-    app = transfers.create_app(
-        {"SQLALCHEMY_DATABASE_URI": url, "IDEMPOTENCY_TESTING_DRILLS": True}
-    )
+    app = transfers.create_app({"SQLALCHEMY_DATABASE_URI": url, "IDEMPOTENCY_TESTING_DRILLS": True})
     yield app
     app.extensions["idempotency"].close()
     with app.app_context():

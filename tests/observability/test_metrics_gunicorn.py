@@ -85,8 +85,7 @@ def requests_by_worker(metrics_dir: Path) -> dict[int, int]:
 def wait_for_every_worker(url: str) -> None:
     """gunicorn answers once one worker is up; each adds its pool when its app is built."""
     wait_until(
-        lambda: value(scrape(url), "flask_idempotency_pool_connections_max")
-        >= WORKERS * POOL_SIZE,
+        lambda: value(scrape(url), "flask_idempotency_pool_connections_max") >= WORKERS * POOL_SIZE,
         30,
         "every worker to build its app",
     )
@@ -151,18 +150,15 @@ def test_scraped_counters_add_up_over_three_workers(
         assert value(samples, "flask_idempotency_pool_connections_in_use") == 0
         assert value(samples, "flask_idempotency_pool_connections_max") == WORKERS * POOL_SIZE
         assert value(samples, "flask_idempotency_cache_lookups_total", result="hit") == 3
-        assert value(samples, "flask_idempotency_redis_breaker_state", state="closed") == (
-            WORKERS
-        )
+        assert value(samples, "flask_idempotency_redis_breaker_state", state="closed") == (WORKERS)
         # One claim per request that reached the store (not the cache hits, nor
         # the 400s refused before any claim), each timed once; new-1 was never
         # retried, so its 422 comes from the store.
-        claims = (
-            sent["executed"] + sent["released"] + sent["replayed/store"] + sent["key_reused"]
-        )
+        claims = sent["executed"] + sent["released"] + sent["replayed/store"] + sent["key_reused"]
         assert value(samples, "flask_idempotency_claim_duration_seconds_count") == claims
-        assert value(samples, "flask_idempotency_completion_duration_seconds_count") == (
-            sent["executed"]
+        assert (
+            value(samples, "flask_idempotency_completion_duration_seconds_count")
+            == (sent["executed"])
         )
         assert value(samples, "flask_idempotency_records", state="completed") == 7
         assert value(samples, "flask_idempotency_table_stats_up") == 1
@@ -180,8 +176,10 @@ def test_scraped_counters_add_up_over_three_workers(
     victim = child_pids(server.master_pid)[0]
     os.kill(victim, signal.SIGKILL)
     wait_until(
-        lambda: victim not in child_pids(server.master_pid)
-        and len(child_pids(server.master_pid)) >= WORKERS,
+        lambda: (
+            victim not in child_pids(server.master_pid)
+            and len(child_pids(server.master_pid)) >= WORKERS
+        ),
         15,
         "gunicorn to replace the killed worker",
     )

@@ -28,9 +28,7 @@ def _run(database_url: str, statement: str, params: Any = None) -> list[tuple[An
         conn.close()
 
 
-def end_leases(
-    database_url: str, seconds_ago: float = 1.0, record_key: bytes | None = None
-) -> int:
+def end_leases(database_url: str, seconds_ago: float = 1.0, record_key: bytes | None = None) -> int:
     """End every processing record's lease (or only ``record_key``'s) ``seconds_ago``,
     as time does for a holder that stopped renewing (a dead worker, a keeper turned
     off). How many records."""

@@ -222,9 +222,7 @@ def test_a_request_gives_up_on_a_slow_connect_which_then_goes_to_the_pool() -> N
 
 
 def settings(**options: Any) -> Any:
-    return settings_from_config(
-        {"DATABASE_URL": "postgresql://x/y", "DATABASE_OPTIONS": options}
-    )
+    return settings_from_config({"DATABASE_URL": "postgresql://x/y", "DATABASE_OPTIONS": options})
 
 
 def test_the_settings_and_their_defaults() -> None:
