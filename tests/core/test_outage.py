@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import psycopg2
 import pytest
 from flask import Flask
 
 from flask_idempotency import Idempotency
 from support import core_app
+from support.pg_query import terminate_sessions
 from support.postgres_server import ThrowawayPostgres
 from support.tcp_proxy import TcpProxy
 
@@ -90,36 +89,11 @@ def test_stale_pooled_connections_do_not_open_the_breaker(
     apps.append(app)
     assert post(app, "warm").status_code == 200
 
-    _terminate_backends(clean_db, name)
+    assert terminate_sessions(clean_db, name) >= 1
     after = post(app, "after-restart")
     assert after.status_code == 200, after.get_json()
     assert post(app, "warm").headers["Idempotent-Replayed"] == "true"
     assert app.extensions["idempotency"].store.breaker.state.value == "closed"
-
-
-def _terminate_backends(database_url: str, application_name: str) -> None:
-    """End the app's PostgreSQL sessions, as a restart would, and wait until they are
-    gone (``pg_terminate_backend`` only signals): its pool now holds dead ones."""
-    with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-            (application_name,),
-        )
-        assert cur.rowcount >= 1
-    conn.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
-            cur.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-                (application_name,),
-            )
-            row = cur.fetchone()
-        conn.close()
-        if row is not None and row[0] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"backends of {application_name} still alive")
 
 
 def test_keyless_transactions_survive_stale_pooled_connections(
@@ -146,11 +120,11 @@ def test_keyless_transactions_survive_stale_pooled_connections(
 
     client = app.test_client()
     assert client.post("/keyless-connection").status_code == 204
-    _terminate_backends(clean_db, name)
+    assert terminate_sessions(clean_db, name) >= 1
     assert client.post("/keyless-connection").status_code == 204
 
     assert client.post("/optional", data=b"x").status_code == 201  # its view: transaction()
-    _terminate_backends(clean_db, name)
+    assert terminate_sessions(clean_db, name) >= 1
     assert client.post("/optional", data=b"x").status_code == 201
     assert app.extensions["idempotency"].store.breaker.state.value == "closed"
     assert app.extensions["runs"] == ["optional", "optional"]

@@ -9,6 +9,7 @@ returns so that no test leaves a connection holding locks behind.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg2
@@ -25,3 +26,24 @@ def query(database_url: str, statement: str, params: Any = None) -> list[tuple[A
             return cur.fetchall() if cur.description else []
     finally:
         conn.close()
+
+
+def terminate_sessions(database_url: str, application_name: str, timeout: float = 10.0) -> int:
+    """End every PostgreSQL session labelled ``application_name``, as a restart of the
+    server would, and wait until they are gone (``pg_terminate_backend`` only
+    signals): an app's pool then holds connections that died while idle. How many."""
+    ended = query(
+        database_url,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+        (application_name,),
+    )
+    deadline = time.monotonic() + timeout
+    while query(
+        database_url,
+        "SELECT 1 FROM pg_stat_activity WHERE application_name = %s",
+        (application_name,),
+    ):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sessions of {application_name} still alive")
+        time.sleep(0.05)
+    return len(ended)
