@@ -61,28 +61,36 @@ def _ephemeral_range_start() -> int:
 _port_random = random.Random(os.urandom(16))  # private: hypothesis reseeds the global one
 
 
-def free_port(host: str = LOOPBACK) -> int:
+def free_port(host: str = LOOPBACK, *, also_free_at: int = 0) -> int:
     """A TCP port that is free now, preferably below the ephemeral range.
 
     The kernel hands out ephemeral ports to outgoing connections and to
     ``bind(0)``.  A server that outage tests stop and start again must get
     its port back, so we avoid that range: while PostgreSQL is stopped no
-    client socket can be given its port.  Falls back to ``bind(0)``.
+    client socket can be given its port.  ``also_free_at``: an offset whose
+    port must be free too, and below that range as well (a Redis Cluster
+    node also listens on its port + 10000, its cluster bus).  Falls back to
+    ``bind(0)``.
     """
-    high = _ephemeral_range_start()
+    high = _ephemeral_range_start() - also_free_at
     low = 10000
     for _ in range(50 if high - low > 1000 else 0):
         port = _port_random.randrange(low, high)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((host, port))
-            except OSError:
-                continue
+        if all(_bindable(host, p) for p in {port, port + also_free_at}):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         any_port: int = probe.getsockname()[1]
         return any_port
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def spawn(

@@ -41,8 +41,11 @@ def redis_binaries() -> tuple[Path, Path]:
 class Node:
     """One ``redis-server`` (or sentinel) process with its own directory and log."""
 
-    def __init__(self, binary: Path, root: Path, name: str, args: Sequence[str]) -> None:
-        self.port = free_port()
+    def __init__(
+        self, binary: Path, root: Path, name: str, args: Sequence[str], bus_offset: int = 0
+    ) -> None:
+        #: A cluster node also listens on its port + ``bus_offset`` (10000): free too.
+        self.port = free_port(also_free_at=bus_offset)
         self.dir = root / name
         self.dir.mkdir()
         self.log = self.dir / "server.log"
@@ -90,8 +93,8 @@ class _Group:
         self.nodes: list[Node] = []
         at_exit.add(self, self.close)
 
-    def _node(self, name: str, args: Sequence[str] = ()) -> Node:
-        node = Node(self.binary, self.root, name, args)
+    def _node(self, name: str, args: Sequence[str] = (), bus_offset: int = 0) -> Node:
+        node = Node(self.binary, self.root, name, args, bus_offset)
         self.nodes.append(node)
         return node
 
@@ -111,6 +114,10 @@ class _Group:
         raise NotImplementedError
 
 
+#: A Redis Cluster node's bus listens on its port plus this.
+CLUSTER_BUS_OFFSET = 10000
+
+
 class RedisCluster(_Group):
     """Three masters, each with a replica (so a master's death is a failover, not
     a lost third of the slots)."""
@@ -123,7 +130,8 @@ class RedisCluster(_Group):
         args = ["--cluster-enabled", "yes", "--cluster-node-timeout", str(DOWN_AFTER_MS),
                 "--repl-diskless-sync-delay", "0"]  # fmt: skip
         for i in range(self.masters * 2):
-            self._node(f"node{i}", [*args, "--cluster-config-file", "nodes.conf"]).start()
+            node_args = [*args, "--cluster-config-file", "nodes.conf"]
+            self._node(f"node{i}", node_args, bus_offset=CLUSTER_BUS_OFFSET).start()
         addresses = [f"{LOOPBACK}:{node.port}" for node in self.nodes]
         created = subprocess.run(
             [str(self.cli), "--cluster", "create", *addresses,
