@@ -215,22 +215,43 @@ class PostgresStore(Maintenance):
 
     def ping(self) -> None:
         """One short statement under the extension's timeouts (health checks); at once
-        ``StoreUnavailableError`` while the breaker is open, which it may probe."""
+        ``StoreUnavailableError`` while the breaker is open, which it may probe. A
+        pooled connection that died while idle is replaced once and not counted, as
+        a claim's is: a health check just after a restart finds the server up."""
         self.breaker.admit()
-        with self.autocommit() as conn:
-            ticket = WATCHDOG.watch(conn, self.deadline, self.breaker.no_answer)
-            error: BaseException | None = None
-            try:
-                with self.driver.cursor(conn) as cur:
-                    self.driver.execute(cur, self.timeouts + "SELECT 1")
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                fired = WATCHDOG.unwatch(ticket)
-                self.breaker.outcome(conn, error, fired=fired)
-                if fired:
-                    conn.close()
+        if not self._ping(retried_if_lost=True):
+            self._ping(retried_if_lost=False)
+
+    def _ping(self, *, retried_if_lost: bool) -> bool:
+        """``SELECT 1`` on a pooled connection: True once answered; False when
+        ``retried_if_lost`` and the connection was lost (it and its idle peers are
+        discarded: the caller tries a fresh one); ``StoreUnavailableError`` else."""
+        lost = False
+        try:
+            with self.autocommit() as conn:
+                ticket = WATCHDOG.watch(conn, self.deadline, self.breaker.no_answer)
+                error: BaseException | None = None
+                try:
+                    with self.driver.cursor(conn) as cur:
+                        self.driver.execute(cur, self.timeouts + "SELECT 1")
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    fired = WATCHDOG.unwatch(ticket)
+                    lost = (
+                        not fired
+                        and isinstance(error, driver.ERRORS)
+                        and is_unreachable(error, conn)
+                    )
+                    self.breaker.outcome(conn, error, fired=fired, retried_if_lost=retried_if_lost)
+                    if fired:
+                        conn.close()
+        except StoreUnavailableError:
+            if lost and retried_if_lost:
+                return False
+            raise
+        return True
 
     def prepare_renewals(self) -> None:
         """Open the lease keeper's connection ahead of its first renewal (best effort:

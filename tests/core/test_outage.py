@@ -128,3 +128,21 @@ def test_keyless_transactions_survive_stale_pooled_connections(
     assert client.post("/optional", data=b"x").status_code == 201
     assert app.extensions["idempotency"].store.breaker.state.value == "closed"
     assert app.extensions["runs"] == ["optional", "optional"]
+
+
+def test_a_health_check_survives_stale_pooled_connections(clean_db: str, apps: list[Flask]) -> None:
+    """``idempotency.ping()`` just after a restart: the dead pooled connection it
+    draws is replaced, so the health check reports the server up (and the breaker,
+    at a threshold of one, stays closed)."""
+    name = "stale-pool-ping"
+    app = core_app.create_app(
+        clean_db,
+        {"IDEMPOTENCY_DATABASE_OPTIONS": {"breaker_threshold": 1, "application_name": name}},
+    )
+    apps.append(app)
+    idem: Idempotency = app.extensions["idem"]
+    with app.app_context():
+        idem.ping()
+        assert terminate_sessions(clean_db, name) >= 1
+        idem.ping()
+    assert app.extensions["idempotency"].store.breaker.state.value == "closed"
