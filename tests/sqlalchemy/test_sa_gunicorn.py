@@ -33,6 +33,7 @@ from support.gunicorn_server import GunicornServer
 from support.http_client import HttpResponse
 from support.pg_query import query
 from support.records import end_leases
+from support.waiting import wait_until
 
 #: ``make test-transaction-mode`` runs this folder again with the claim in the
 #: view's transaction (sa_app reads ``SA_APP_IDEMPOTENCY_*``).
@@ -93,6 +94,18 @@ def test_worker_killed_after_commit_keeps_nothing_and_the_retry_runs_once(
     assert rows(url, label) == ["first"]
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (``T``, or ``t`` when traced)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def _stall_facts(database_url: str, pid: int) -> str:
     """The stalled worker's process state, and the records' states and live leases."""
     try:
@@ -121,6 +134,12 @@ def test_stalled_holder_is_fenced_after_a_takeover(
     pid = gates.wait_entered(gate)  # the holder has committed, and waits
     os.kill(pid, signal.SIGSTOP)  # stalled: its lease keeper stops with it
     try:
+        # SIGSTOP goes to one thread of the worker (the main one, here), which stops
+        # the others once it runs; on a loaded machine it waited for a CPU while the
+        # view's thread woke from its sleep, found the gate open and completed the
+        # attempt (CI: main thread "R", the record completed, the retry a replay).
+        # Go on only once every thread of the worker is stopped.
+        wait_until(lambda: _all_threads_stopped(pid), 10, f"worker {pid} to stop")
         assert end_leases(database_url) >= 1
         gates.open(gate)  # for when the holder resumes
         before = _stall_facts(database_url, pid)
