@@ -272,24 +272,33 @@ class PostgresStore(Maintenance):
             [h.token for h in holds],
             [h.lease for h in holds],
         )
+        retry = True
         with self._renew_lock:
-            conn = self.pool.renewal_connection()
-            count, error = 0, None
-            ticket = WATCHDOG.watch(conn, self.deadline)
-            try:
-                with self.driver.cursor(conn) as cur:
-                    self.driver.execute(cur, self.timeouts + RENEW, params)
-                    count = int(cur.rowcount)
-            except driver.ERRORS as exc:
-                error = exc
-            finally:
-                fired = WATCHDOG.unwatch(ticket)
-            if fired or (error is not None and is_unreachable(error, conn)):
-                self.pool.discard_renewal_connection()
-            if fired or error is not None:
-                reason = "no answer in time" if fired else type(error).__name__
-                raise StoreUnavailableError(f"renewal failed: {reason}") from error
-            return count
+            while True:
+                conn = self.pool.renewal_connection()
+                count, error = 0, None
+                ticket = WATCHDOG.watch(conn, self.deadline)
+                try:
+                    with self.driver.cursor(conn) as cur:
+                        self.driver.execute(cur, self.timeouts + RENEW, params)
+                        count = int(cur.rowcount)
+                except driver.ERRORS as exc:
+                    error = exc
+                finally:
+                    fired = WATCHDOG.unwatch(ticket)
+                lost = error is not None and is_unreachable(error, conn)
+                if fired or lost:
+                    self.pool.discard_renewal_connection()
+                if lost and not fired and retry:
+                    # The keeper's connection died while it waited (a restart, a
+                    # healed partition): renewing is idempotent, so at once once more
+                    # on a fresh one rather than a whole renewal interval later.
+                    retry = False
+                    continue
+                if fired or error is not None:
+                    reason = "no answer in time" if fired else type(error).__name__
+                    raise StoreUnavailableError(f"renewal failed: {reason}") from error
+                return count
 
     def inspect_schema(self, *, keep_connection: bool = True) -> schema.Problem | None:
         """What the database lacks of the extension's own schema, read from the

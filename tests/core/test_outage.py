@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from flask import Flask
 
-from flask_idempotency import Idempotency
+from flask_idempotency import Idempotency, keys
+from flask_idempotency.store.base import Claimed, LeaseHold
 from support import core_app
 from support.pg_query import terminate_sessions
 from support.postgres_server import ThrowawayPostgres
@@ -146,3 +147,27 @@ def test_a_health_check_survives_stale_pooled_connections(clean_db: str, apps: l
         assert terminate_sessions(clean_db, name) >= 1
         idem.ping()
     assert app.extensions["idempotency"].store.breaker.state.value == "closed"
+
+
+def test_lease_renewals_survive_a_dead_keeper_connection(clean_db: str, apps: list[Flask]) -> None:
+    """The lease keeper renews on a connection of its own, idle between renewals:
+    after a restart it is dead. A renewal then goes again at once on a fresh one
+    (renewing is idempotent) instead of losing a whole renewal interval of a
+    slow request's lease."""
+    name = "stale-keeper"
+    app = core_app.create_app(
+        clean_db, {"IDEMPOTENCY_DATABASE_OPTIONS": {"application_name": name}}
+    )
+    apps.append(app)
+    store = app.extensions["idempotency"].store
+    record_key = keys.record_key("", "stale-keeper")
+    holder = store.begin()
+    try:
+        claimed = holder.claim(record_key, b"fingerprint", lease=30, ttl=60)
+        assert isinstance(claimed, Claimed)
+        hold = LeaseHold(record_key, claimed.token, 30)
+        assert store.renew([hold]) == 1  # the keeper's connection, now idle
+        assert terminate_sessions(clean_db, name) >= 1
+        assert store.renew([hold]) == 1
+    finally:
+        holder.close()
