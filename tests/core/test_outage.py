@@ -69,6 +69,20 @@ def test_server_restart_is_survived(
     assert app.extensions["runs"] == ["plain"] * 4
 
 
+def labelled_app(database_url: str, apps: list[Flask], name: str, **config: Any) -> Flask:
+    """The core app with its PostgreSQL sessions named ``name`` (so a test can end
+    them, as a restart would) and a store breaker that opens at the first failure it
+    counts (so a single wrongly counted one shows)."""
+    options = {"breaker_threshold": 1, "application_name": name}
+    app = core_app.create_app(database_url, {"IDEMPOTENCY_DATABASE_OPTIONS": options, **config})
+    apps.append(app)
+    return app
+
+
+def breaker_state(app: Flask) -> str:
+    return str(app.extensions["idempotency"].store.breaker.state.value)
+
+
 @pytest.mark.parametrize("claim_mode", ["row", "transaction"])
 def test_stale_pooled_connections_do_not_open_the_breaker(
     clean_db: str, apps: list[Flask], claim_mode: str
@@ -80,21 +94,14 @@ def test_stale_pooled_connections_do_not_open_the_breaker(
     it and answer 503 for a whole cooldown while the server is up. A threshold of one
     makes a single wrongly counted failure show."""
     name = f"stale-pool-{claim_mode}"
-    app = core_app.create_app(
-        clean_db,
-        {
-            "IDEMPOTENCY_CLAIM_MODE": claim_mode,
-            "IDEMPOTENCY_DATABASE_OPTIONS": {"breaker_threshold": 1, "application_name": name},
-        },
-    )
-    apps.append(app)
+    app = labelled_app(clean_db, apps, name, IDEMPOTENCY_CLAIM_MODE=claim_mode)
     assert post(app, "warm").status_code == 200
 
     assert terminate_sessions(clean_db, name) >= 1
     after = post(app, "after-restart")
     assert after.status_code == 200, after.get_json()
     assert post(app, "warm").headers["Idempotent-Replayed"] == "true"
-    assert app.extensions["idempotency"].store.breaker.state.value == "closed"
+    assert breaker_state(app) == "closed"
 
 
 def test_keyless_transactions_survive_stale_pooled_connections(
@@ -105,11 +112,7 @@ def test_keyless_transactions_survive_stale_pooled_connections(
     ``idempotency.transaction()``. A connection that died while idle is replaced
     there as well, without a 503 and without counting toward the breaker."""
     name = "stale-pool-keyless"
-    app = core_app.create_app(
-        clean_db,
-        {"IDEMPOTENCY_DATABASE_OPTIONS": {"breaker_threshold": 1, "application_name": name}},
-    )
-    apps.append(app)
+    app = labelled_app(clean_db, apps, name)
     idem: Idempotency = app.extensions["idem"]
 
     @app.post("/keyless-connection")
@@ -127,7 +130,7 @@ def test_keyless_transactions_survive_stale_pooled_connections(
     assert client.post("/optional", data=b"x").status_code == 201  # its view: transaction()
     assert terminate_sessions(clean_db, name) >= 1
     assert client.post("/optional", data=b"x").status_code == 201
-    assert app.extensions["idempotency"].store.breaker.state.value == "closed"
+    assert breaker_state(app) == "closed"
     assert app.extensions["runs"] == ["optional", "optional"]
 
 
@@ -136,17 +139,13 @@ def test_a_health_check_survives_stale_pooled_connections(clean_db: str, apps: l
     draws is replaced, so the health check reports the server up (and the breaker,
     at a threshold of one, stays closed)."""
     name = "stale-pool-ping"
-    app = core_app.create_app(
-        clean_db,
-        {"IDEMPOTENCY_DATABASE_OPTIONS": {"breaker_threshold": 1, "application_name": name}},
-    )
-    apps.append(app)
+    app = labelled_app(clean_db, apps, name)
     idem: Idempotency = app.extensions["idem"]
     with app.app_context():
         idem.ping()
         assert terminate_sessions(clean_db, name) >= 1
         idem.ping()
-    assert app.extensions["idempotency"].store.breaker.state.value == "closed"
+    assert breaker_state(app) == "closed"
 
 
 def test_lease_renewals_survive_a_dead_keeper_connection(clean_db: str, apps: list[Flask]) -> None:
@@ -155,10 +154,7 @@ def test_lease_renewals_survive_a_dead_keeper_connection(clean_db: str, apps: li
     (renewing is idempotent) instead of losing a whole renewal interval of a
     slow request's lease."""
     name = "stale-keeper"
-    app = core_app.create_app(
-        clean_db, {"IDEMPOTENCY_DATABASE_OPTIONS": {"application_name": name}}
-    )
-    apps.append(app)
+    app = labelled_app(clean_db, apps, name)
     store = app.extensions["idempotency"].store
     record_key = keys.record_key("", "stale-keeper")
     holder = store.begin()
