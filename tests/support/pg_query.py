@@ -30,20 +30,21 @@ def query(database_url: str, statement: str, params: Any = None) -> list[tuple[A
 
 def terminate_sessions(database_url: str, application_name: str, timeout: float = 10.0) -> int:
     """End every PostgreSQL session labelled ``application_name``, as a restart of the
-    server would, and wait until they are gone (``pg_terminate_backend`` only
-    signals): an app's pool then holds connections that died while idle. How many."""
-    ended = query(
-        database_url,
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-        (application_name,),
-    )
+    server would, until none is left (``pg_terminate_backend`` only signals, and a
+    session the app was opening meanwhile, its lease keeper's say, is ended too): its
+    pools then hold connections that died while idle. How many sessions were ended."""
+    ended: set[int] = set()
     deadline = time.monotonic() + timeout
-    while query(
-        database_url,
-        "SELECT 1 FROM pg_stat_activity WHERE application_name = %s",
-        (application_name,),
-    ):
+    while True:
+        alive = query(
+            database_url,
+            "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = %s",
+            (application_name,),
+        )
+        if not alive:
+            return len(ended)
+        ended.update(int(pid) for pid, _ in alive)
         if time.monotonic() > deadline:
             raise AssertionError(f"sessions of {application_name} still alive")
         time.sleep(0.05)
-    return len(ended)
