@@ -26,11 +26,18 @@ from .request import PostgresRequest, RowClaimRequest, TransactionClaimRequest
 from .sql import (
     ASYNC_COMMIT_PREFIX,
     CLAIM,
+    CLAIM_IN_TRANSACTION,
+    CLAIM_NEW,
     CLIENT_DEADLINE_GRACE,
     COMPLETE,
     EXECUTE_CLAIM,
+    EXECUTE_CLAIM_IN_TRANSACTION,
+    EXECUTE_CLAIM_NEW,
+    EXECUTE_COMPLETE,
+    EXECUTE_INSERT_COMPLETED,
     INSERT_COMPLETED,
     PREPARE_CLAIM,
+    PREPARE_CLAIM_IN_TRANSACTION,
     RENEW,
     timeouts_sql,
 )
@@ -70,11 +77,22 @@ class PostgresStore(Maintenance):
         self._prefix = self.timeouts + (ASYNC_COMMIT_PREFIX if async_claim_commit else "")
         self._claim_inline = self._prefix + CLAIM
         self._claim_execute = self._prefix + EXECUTE_CLAIM
+        self._claim_new_inline = self._prefix + CLAIM_NEW
+        self._claim_new_execute = self._prefix + EXECUTE_CLAIM_NEW
         # The timeouts go first, so they bound the PREPARE too.
         self._claim_prepare = self.timeouts + PREPARE_CLAIM + self._claim_execute
+        self._claim_new_prepare = self.timeouts + PREPARE_CLAIM + self._claim_new_execute
         self.complete_alone = self.timeouts + COMPLETE
         self.complete_in_transaction = self.timeouts + COMPLETE + ";\nCOMMIT"
+        #: The completion on a connection that has it prepared (``prepared_complete_sql``).
+        self.complete_prepared_alone = self.timeouts + EXECUTE_COMPLETE
+        self.complete_prepared_in_transaction = self.timeouts + EXECUTE_COMPLETE + ";\nCOMMIT"
         self.insert_completed = self.timeouts + INSERT_COMPLETED
+        self.insert_completed_prepared = self.timeouts + EXECUTE_INSERT_COMPLETED
+        self._tx_claim_execute = "BEGIN;\n" + EXECUTE_CLAIM_IN_TRANSACTION
+        self._tx_claim_prepare = (
+            "BEGIN;\n" + PREPARE_CLAIM_IN_TRANSACTION + EXECUTE_CLAIM_IN_TRANSACTION
+        )
         # Connections that have the claim prepared. A claim that finds its statement
         # gone (or already there) corrects this and runs again.
         self._prepared: weakref.WeakSet[Connection] = weakref.WeakSet()
@@ -90,14 +108,24 @@ class PostgresStore(Maintenance):
             breaker_threshold, breaker_cooldown, observer=lambda: self.pool.observer
         )
 
-    def claim_sql(self, conn: Connection) -> str:
-        """The claim's text for this connection: prepared on first use if enabled."""
+    def claim_sql(self, conn: Connection, *, new_key: bool = False) -> str:
+        """The claim's text for this connection: prepared on first use if enabled.
+        ``new_key``: the first request's claim (``sql.CLAIM_NEW_BODY``), tried first."""
         if not self.prepare_statements:
-            return self._claim_inline
+            return self._claim_new_inline if new_key else self._claim_inline
         if conn in self._prepared:
-            return self._claim_execute
+            return self._claim_new_execute if new_key else self._claim_execute
         self._prepared.add(conn)
-        return self._claim_prepare
+        return self._claim_new_prepare if new_key else self._claim_prepare
+
+    def claim_in_transaction_sql(self, conn: Connection) -> str:
+        """The transaction claim's text for this connection (``claim_sql``'s rules)."""
+        if not self.prepare_statements:
+            return CLAIM_IN_TRANSACTION
+        if conn in self._prepared:
+            return self._tx_claim_execute
+        self._prepared.add(conn)
+        return self._tx_claim_prepare
 
     def forget_prepared(self, conn: Connection) -> None:
         """``conn`` lost the prepared claim: its next claim prepares it again."""

@@ -36,7 +36,6 @@ from .schema import mismatch
 from .sql import (
     BUMP_RECOVERY_TOTAL,
     CHECKPOINT,
-    CLAIM_IN_TRANSACTION,
     END_LEASE,
     LEASE_LOST_SQLSTATE,
     PREPARED_STATEMENT_EXISTS,
@@ -55,17 +54,24 @@ class RequestStore(Protocol):
 
     pool: Pool
     driver: Driver
+    #: The claim and the completion are prepared once per connection.
+    prepare_statements: bool
     #: ``SET LOCAL`` of the statement and lock timeouts, first in each round trip.
     timeouts: str
     #: Seconds before the watchdog gives up on one of our statements.
     deadline: float
     complete_alone: str
     complete_in_transaction: str
+    complete_prepared_alone: str
+    complete_prepared_in_transaction: str
     insert_completed: str
+    insert_completed_prepared: str
     #: Opened by failures that mean PostgreSQL is not answering; requests then 503 at once.
     breaker: StoreBreaker
 
-    def claim_sql(self, conn: Connection) -> str: ...
+    def claim_sql(self, conn: Connection, *, new_key: bool = False) -> str: ...
+
+    def claim_in_transaction_sql(self, conn: Connection) -> str: ...
 
     def forget_prepared(self, conn: Connection) -> None: ...
 
@@ -101,6 +107,9 @@ class PostgresRequest(RequestHandle):
         #: a joined session's savepoint), sent ahead of whatever goes next, in its
         #: round trip (``defer``).
         self._deferred: str | None = None
+        #: The connection this request's claim ran prepared statements on: it has the
+        #: completion prepared too (``sql.PREPARE_CLAIM``).
+        self._prepared_conn: Connection | None = None
 
     def _acquire(self, until: float | None = None) -> Connection:
         """This request's connection, taken from the pool if it has none: at once
@@ -185,6 +194,7 @@ class PostgresRequest(RequestHandle):
         conn, self._conn = self._conn, None
         self._in_transaction = False
         self._deferred = None
+        self._prepared_conn = None
         if conn is not None:
             self._store.pool.putconn(conn, discard=True)
         if peers:
@@ -273,16 +283,14 @@ class PostgresRequest(RequestHandle):
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         conn = self._acquire()
         # The timeouts come after the view's last statement, in the same round trip.
-        store = self._store
         answer = response_params(response)
         sql_params: tuple[Any, ...]
         if self._claimed is not None:
             fingerprint, ttl = self._claimed
             sql_params = (record_key, fingerprint, ttl, *answer)
-            sql = store.insert_completed
         else:
             sql_params = (record_key, token, *answer)
-            sql = store.complete_in_transaction if self._in_transaction else store.complete_alone
+        sql = self._completion_sql(conn)
         try:
             self._execute(conn, sql, sql_params)
         except driver.ERRORS as exc:
@@ -293,9 +301,28 @@ class PostgresRequest(RequestHandle):
                 self._rollback()
             if sqlstate(exc) == LEASE_LOST_SQLSTATE:
                 raise LeaseLostError() from exc
+            if sqlstate(exc) == PREPARED_STATEMENT_MISSING:
+                # Deallocated while the view ran (DISCARD ALL in the view, or a pooler
+                # that moved the session): the view's transaction is gone with it, so
+                # this request fails closed; the connection's next claim prepares again.
+                self._store.forget_prepared(conn)
             raise answered("completion", exc) from exc
         self._in_transaction = False
         self._claimed = None
+
+    def _completion_sql(self, conn: Connection) -> str:
+        """The completion for this request's claim mode and transaction: prepared on
+        the connection its claim ran prepared on (the claim prepared it there), as a
+        function call elsewhere (a connection replaced since, or none prepared)."""
+        store = self._store
+        prepared = conn is self._prepared_conn
+        if self._claimed is not None:
+            return store.insert_completed_prepared if prepared else store.insert_completed
+        if self._in_transaction:
+            if prepared:
+                return store.complete_prepared_in_transaction
+            return store.complete_in_transaction
+        return store.complete_prepared_alone if prepared else store.complete_alone
 
     def checkpoint(self, record_key: bytes, token: int, phase: str, data_json: str) -> None:
         """Commit the view's transaction so far together with the recovery point
@@ -433,13 +460,16 @@ class RowClaimRequest(PostgresRequest):
         }
         retried_connection = retried_prepare = False
         until = self._claim_deadline()
-        for _ in range(5):
+        # The first try is the cheaper claim that takes a new key or reads a held one
+        # (``sql.CLAIM_NEW_BODY``); only a record to take over needs the full claim.
+        new_key = True
+        for _ in range(6):
             conn = self._acquire(until)
             seconds = self._seconds_left(until)
             try:
                 row = self._execute(
                     conn,
-                    self._store.claim_sql(conn),
+                    self._store.claim_sql(conn, new_key=new_key),
                     params,
                     fetch=True,
                     seconds=seconds,
@@ -467,22 +497,20 @@ class RowClaimRequest(PostgresRequest):
                 # The server answered (a statement or lock timeout, a missing table):
                 # the connection is sound and goes back to the pool with the request.
                 raise answered("claim", exc) from exc
+            if self._store.prepare_statements:
+                self._prepared_conn = conn
+            if new_key:
+                new_key = False
+                if row is not None and (row[0] or not _could_take_over(row, fingerprint)):
+                    return Claimed(token) if row[0] else _existing(row)
+                continue  # a row to take over, or none read: the full claim decides
             if row is None:
                 continue  # the row appeared or vanished concurrently; look again
             if row[0]:
                 phases = tuple((str(name), data) for name, data in row[8] or ())
                 self.has_progress = bool(phases)
                 return Claimed(token, phases, takeover=bool(row[9]))
-            response = None
-            if row[1] == "completed":
-                response = StoredResponse(int(row[3]), headers_from_json(row[4]), bytes(row[5]))
-            return Existing(
-                state=row[1],
-                fingerprint=bytes(row[2]),
-                response=response,
-                lease_remaining=row[6],
-                ttl_remaining=row[7],
-            )
+            return _existing(row)
         raise StoreUnavailableError("claim did not settle after repeated concurrent changes")
 
 
@@ -508,28 +536,40 @@ class TransactionClaimRequest(PostgresRequest):
         request_lock, key_lock = advisory_locks(record_key, fingerprint)
         params = (record_key, request_lock, key_lock)
         until = self._claim_deadline()
-        for attempt in range(2):
+        retried_connection = retried_prepare = False
+        while True:
             conn = self._acquire(until)
             seconds = self._seconds_left(until)
             try:
                 row = self._execute(
                     conn,
-                    CLAIM_IN_TRANSACTION,
+                    self._store.claim_in_transaction_sql(conn),
                     params,
                     fetch=True,
                     seconds=seconds,
-                    retried_if_lost=attempt == 0,
+                    retried_if_lost=not retried_connection,
                 )
                 break
             except driver.ERRORS as exc:
                 unreachable = self._unresponsive or is_unreachable(exc, conn)
+                if not unreachable and not retried_prepare and sqlstate(exc) in _PREPARE_STATES:
+                    # Deallocated under us, or already there: the claim opened nothing
+                    # yet, so it ends its failed transaction and goes again.
+                    retried_prepare = True
+                    self._rollback()
+                    if sqlstate(exc) == PREPARED_STATEMENT_MISSING:
+                        self._store.forget_prepared(conn)
+                    continue
                 self._drop(peers=unreachable)
-                if unreachable and attempt == 0 and not self._unresponsive:
+                if unreachable and not retried_connection and not self._unresponsive:
+                    retried_connection = True
                     continue  # a stale pooled connection: once more on a fresh one
                 if unreachable:
                     raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
                 raise answered("claim", exc) from exc
         self._in_transaction = True
+        if self._store.prepare_statements:
+            self._prepared_conn = conn
         if row is None:
             self._claimed = (fingerprint, ttl)
             return Claimed(new_token())  # names the attempt; the locks fence
@@ -547,6 +587,39 @@ class TransactionClaimRequest(PostgresRequest):
         if state == "completed":
             response = StoredResponse(int(row[4]), headers_from_json(row[5]), bytes(row[6]))
         return Existing(state, stored_fingerprint, response, row[7], row[8])
+
+
+#: A prepared statement missing, or one prepared twice: prepare (or execute) again.
+_PREPARE_STATES = frozenset({PREPARED_STATEMENT_MISSING, PREPARED_STATEMENT_EXISTS})
+
+
+def _could_take_over(row: tuple[Any, ...], fingerprint: bytes) -> bool:
+    """Whether the record a row-mode claim read is one it may take: expired (as
+    good as absent), or a processing record of the same request whose holder's
+    lease ran out. ``sql.CLAIM_BODY``'s conditions, on the columns it returns."""
+    state, stored_fingerprint, lease_remaining, ttl_remaining = row[1], row[2], row[6], row[7]
+    if ttl_remaining is None or ttl_remaining <= 0:
+        return True
+    return (
+        state == "processing"
+        and lease_remaining is not None
+        and lease_remaining <= 0
+        and bytes(stored_fingerprint) == fingerprint
+    )
+
+
+def _existing(row: tuple[Any, ...]) -> Existing:
+    """The record a row-mode claim found and may not take, from the claim's columns."""
+    response = None
+    if row[1] == "completed":
+        response = StoredResponse(int(row[3]), headers_from_json(row[4]), bytes(row[5]))
+    return Existing(
+        state=row[1],
+        fingerprint=bytes(row[2]),
+        response=response,
+        lease_remaining=row[6],
+        ttl_remaining=row[7],
+    )
 
 
 def _connect_failed(exc: StoreUnavailableError) -> bool:

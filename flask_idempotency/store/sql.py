@@ -91,11 +91,71 @@ SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
 
 _CLAIM_PARAMS = ("key", "fp", "token", "lease", "ttl", "recovery")
 
+#: The claim as a request runs it first: a key with no row (a first request,
+#: the common case) is taken with a plain ``INSERT``, and a key with one (a
+#: replay, a duplicate in flight) is answered from it, still one statement. It
+#: costs PostgreSQL about a seventh less than ``CLAIM_BODY``, whose reads and
+#: takeover branches are set up on every run, needed or not. When the key has a
+#: row the conflict is found before anything is inserted (no row lock, no WAL)
+#: and the second branch reads it; a row this claim could take over (expired,
+#: or a dead holder's of the same request), or none read (it vanished, or was
+#: committed after this statement's snapshot), leaves the decision to
+#: ``CLAIM_BODY``, run next. Same parameters; the columns are ``CLAIM_BODY``'s
+#: first eight.
+CLAIM_NEW_BODY = """
+WITH claimed AS (
+    INSERT INTO idempotency_records
+        (record_key, fingerprint, state, lock_token, lease_expires_at, created_at, expires_at,
+         recovery)
+    VALUES ($1, $2, 'processing', $3, now() + make_interval(secs => $4), now(),
+            now() + make_interval(secs => $5), $6)
+    ON CONFLICT (record_key) DO NOTHING
+    RETURNING true
+)
+SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb, NULL::bytea,
+       NULL::float8, NULL::float8
+  FROM claimed
+UNION ALL
+SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
+       extract(epoch FROM e.lease_expires_at - now())::float8,
+       extract(epoch FROM e.expires_at - now())::float8
+  FROM idempotency_records e
+ WHERE e.record_key = $1 AND NOT EXISTS (SELECT 1 FROM claimed)
+"""
+
+#: Row mode's completion with fencing, as ``idempotency_complete`` (migrations
+#: 0003, 0006) runs it, for connections that have it prepared: the function's
+#: call is parsed and planned on every request, and runs its own statement
+#: under settings it sets and resets; this one is planned once per connection.
+#: A record this holder no longer holds updates nothing, and then the function
+#: itself is called, whose ``UPDATE`` finds nothing either and raises ``IK409``
+#: (the transaction aborts, the ``COMMIT`` after it never runs): one refusal,
+#: written once, in the schema. Parameters: $1 record key, $2 lock token, $3
+#: status, $4 headers, $5 body. Keep the ``SET`` list the function's.
+COMPLETE_BODY = """
+WITH completed AS (
+    UPDATE idempotency_records
+       SET state = 'completed', status_code = $3, headers = $4, body = $5,
+           completed_at = now(), lock_token = NULL, lease_expires_at = NULL,
+           expires_at = greatest(expires_at, now() + (expires_at - created_at)),
+           recovery = NULL, phases = NULL
+     WHERE record_key = $1 AND lock_token = $2 AND state = 'processing'
+     RETURNING extract(epoch FROM expires_at - now()) AS remaining
+)
+SELECT coalesce((SELECT remaining FROM completed), idempotency_complete($1, $2, $3, $4, $5))
+"""
+
 #: Planning the claim costs about twice its execution, so each connection prepares
 #: it once; later claims send only ``EXECUTE``. Still one round trip either way.
+#: The first request's claim and the completion are prepared with it, in the
+#: same round trip, so a connection that ran a prepared claim has all three.
 PREPARE_CLAIM = (
     "PREPARE idempotency_claim (bytea, bytea, bigint, float8, float8, bytea) AS"
     + CLAIM_BODY
+    + ";\nPREPARE idempotency_claim_new (bytea, bytea, bigint, float8, float8, bytea) AS"
+    + CLAIM_NEW_BODY
+    + ";\nPREPARE idempotency_complete_record (bytea, bigint, smallint, jsonb, bytea) AS"
+    + COMPLETE_BODY
     + ";\n"
 )
 #: A prepared statement's plan is cached for the connection's life. Left to
@@ -112,6 +172,11 @@ EXECUTE_CLAIM = (
     CLAIM_PLAN_SETTINGS
     + "EXECUTE idempotency_claim (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s, %(recovery)s)"
 )
+EXECUTE_CLAIM_NEW = (
+    CLAIM_PLAN_SETTINGS
+    + "EXECUTE idempotency_claim_new (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s, %(recovery)s)"
+)
+EXECUTE_COMPLETE = CLAIM_PLAN_SETTINGS + "EXECUTE idempotency_complete_record (%s, %s, %s, %s, %s)"
 
 
 def _inline_parameters(sql: str) -> str:
@@ -122,6 +187,7 @@ def _inline_parameters(sql: str) -> str:
 
 
 CLAIM = _inline_parameters(CLAIM_BODY)
+CLAIM_NEW = _inline_parameters(CLAIM_NEW_BODY)
 
 #: Prefix for the claim when ``async_claim_commit`` is on. Several statements in
 #: one simple query run as one implicit transaction, so SET LOCAL covers the claim
@@ -142,6 +208,18 @@ CLAIM_IN_TRANSACTION = "BEGIN;\nSELECT * FROM idempotency_claim_in_transaction_r
 INSERT_COMPLETED = (
     "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s);\nCOMMIT"
 )
+#: Both calls prepared once per connection, as the row-mode claim is: otherwise
+#: each is parsed and planned on every request. Prepared statements outlive the
+#: transaction they were prepared in, whatever its end, so they go in the
+#: claim's round trip, after its ``BEGIN``.
+PREPARE_CLAIM_IN_TRANSACTION = (
+    "PREPARE idempotency_claim_in_transaction (bytea, bigint, bigint) AS\n"
+    "SELECT * FROM idempotency_claim_in_transaction_rw($1, $2, $3);\n"
+    "PREPARE idempotency_insert_completed (bytea, bytea, float8, smallint, jsonb, bytea) AS\n"
+    "SELECT idempotency_insert_completed($1, $2, $3, $4, $5, $6);\n"
+)
+EXECUTE_CLAIM_IN_TRANSACTION = "EXECUTE idempotency_claim_in_transaction (%s, %s, %s)"
+EXECUTE_INSERT_COMPLETED = "EXECUTE idempotency_insert_completed (%s, %s, %s, %s, %s, %s);\nCOMMIT"
 RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
 #: End our lease at once and keep the record (its lock token cleared): the release
 #: of a record that holds committed recovery points (migration 0006), and the

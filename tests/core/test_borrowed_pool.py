@@ -17,6 +17,7 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 import psycopg2.pool
+import pytest
 from flask import Flask
 
 from support.records import wait_for_renewal
@@ -108,12 +109,13 @@ def test_connections_go_back_as_they_were_lent(make_app: MakeApp, clean_db: str)
         pool.closeall()
 
 
+@pytest.mark.parametrize("claim_mode", ["row", "transaction"])
 def test_a_claim_deallocated_by_the_application_is_prepared_again(
-    make_app: MakeApp, clean_db: str
+    make_app: MakeApp, clean_db: str, claim_mode: str
 ) -> None:
     pool = LendingPool(4, 4, clean_db)
     try:
-        app = make_app(IDEMPOTENCY_POOL=pool)
+        app = make_app(IDEMPOTENCY_POOL=pool, IDEMPOTENCY_CLAIM_MODE=claim_mode)
         assert post(app, "a").status_code == 201  # each connection prepared the claim
         for statement in ("DEALLOCATE ALL", "DISCARD ALL"):
             for conn in pool.idle():

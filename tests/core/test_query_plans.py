@@ -17,6 +17,7 @@ that same connection.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Iterator
 
@@ -27,7 +28,7 @@ import pytest
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.pool import ConnectionPool
 from flask_idempotency.store.postgres import PostgresStore
-from flask_idempotency.store.sql import COMPLETE
+from flask_idempotency.store.sql import COMPLETE, EXECUTE_COMPLETE
 
 #: Enough rows that a sequential scan is never the cheapest plan.
 GROWN_TO = 20_000
@@ -44,6 +45,10 @@ def store(clean_db: str) -> Iterator[PostgresStore]:
         yield store
     finally:
         store.close()
+
+
+def _claim_params(key: bytes) -> dict[str, object]:
+    return {"key": key, "fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0, "recovery": None}
 
 
 def _run(dsn: str, sql: str) -> None:
@@ -78,8 +83,12 @@ def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
             assert isinstance(claimed, Claimed)
             request.connection()  # BEGIN, as a view asking for the connection does
             request.complete(key, claimed.token, StoredResponse(201, (), b"{}"))
+            # A replay: the first-request claim's second branch reads the row.
+            assert not isinstance(request.claim(key, b"fp", lease=30, ttl=3600), Claimed)
         finally:
             request.close()
+        with store.pool.connection() as conn, conn.cursor() as cur:  # the full claim
+            cur.execute(store.claim_sql(conn), _claim_params(secrets.token_bytes(32)))
     _run(
         clean_db,
         "INSERT INTO idempotency_records (record_key, fingerprint, state, expires_at)"
@@ -87,18 +96,24 @@ def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
         f" FROM generate_series(1, {GROWN_TO}) AS i",
     )
 
-    key = secrets.token_bytes(32)
+    key, new_key = secrets.token_bytes(32), secrets.token_bytes(32)
+    grown = hashlib.sha256(b"1").digest()
+    answer = (201, psycopg2.extras.Json([]), b"{}")
     with store.pool.connection() as conn, conn.cursor() as cur:  # the same, only connection
         cur.execute("BEGIN")
         before = _sequential_scans(cur)
-        cur.execute(
-            store.claim_sql(conn),
-            {"key": key, "fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0, "recovery": None},
-        )
+        cur.execute(store.claim_sql(conn), _claim_params(key))
         assert cur.fetchone() is not None
         assert _sequential_scans(cur) == before, "the claim scanned the whole table"
-        cur.execute(COMPLETE, (key, 7, 201, psycopg2.extras.Json([]), b"{}"))
+        for first_key, claims in ((grown, False), (new_key, True)):
+            cur.execute(store.claim_sql(conn, new_key=True), _claim_params(first_key))
+            row = cur.fetchone()
+            assert row is not None and row[0] is claims
+            assert _sequential_scans(cur) == before, "the first-request claim scanned the table"
+        cur.execute(COMPLETE, (key, 7, *answer))
         assert _sequential_scans(cur) == before, "the completion scanned the whole table"
+        cur.execute(EXECUTE_COMPLETE, (new_key, 7, *answer))
+        assert _sequential_scans(cur) == before, "the prepared completion scanned the table"
         cur.execute("ROLLBACK")
 
 
