@@ -12,6 +12,12 @@ interleaved over rounds:
   the completion with the ``COMMIT``;
 * ``transaction``: the transaction claim mode: ``BEGIN`` with the claim, the
   ``INSERT``, the completed record's ``INSERT`` with the ``COMMIT``;
+* ``row, full claim + fn`` and ``transaction, calls``: the same two with the
+  statements they sent before a new key's claim became ``CLAIM_NEW_BODY`` and
+  the completions prepared statements (the full claim and the completion
+  function's call; the claim's and the record's calls parsed each time), on one
+  connection: what that change saved, and what ``prepare_statements = False``
+  and a takeover still cost;
 * ``transaction claim only``: that claim and a ``ROLLBACK``, against
   ``BEGIN`` and ``ROLLBACK`` alone (``begin+rollback``): the claim's own cost;
 * ``hand-written``: what ``sqla-handwritten`` (``benchmarks.sqla``) sends, at the
@@ -53,7 +59,17 @@ from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.pool import ConnectionPool
 from flask_idempotency.store.postgres import PostgresStore
 from flask_idempotency.store.request import PostgresRequest
-from flask_idempotency.store.sql import response_params
+from flask_idempotency.store.sql import (
+    ASYNC_COMMIT_PREFIX,
+    CLAIM_IN_TRANSACTION,
+    COMPLETE,
+    EXECUTE_CLAIM,
+    INSERT_COMPLETED,
+    PREPARE_CLAIM,
+    PREPARE_CLAIM_IN_TRANSACTION,
+    response_params,
+    timeouts_sql,
+)
 
 from .app import INSERT_CHARGE, database_url, prepare_database
 
@@ -86,6 +102,9 @@ class Probe:
         }
         self.plain = psycopg2.connect(dsn)
         self.plain.autocommit = True
+        with self.plain.cursor() as cur:  # for the sequences that name the statements
+            cur.execute(PREPARE_CLAIM)
+            cur.execute("BEGIN;\n" + PREPARE_CLAIM_IN_TRANSACTION + "COMMIT")
         self.side = psycopg2.connect(dsn)
         self.side.autocommit = True
         self.sqlalchemy: Any = None
@@ -217,6 +236,39 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
             cur.execute("RELEASE SAVEPOINT sa_savepoint_1")
             cur.execute("COMMIT")
 
+    timeouts = timeouts_sql(5.0, 2.0)
+
+    def row_full_claim() -> None:
+        # ``row`` as it was before its first try became CLAIM_NEW_BODY and its
+        # completion a prepared statement (and as a takeover's claim still is): the
+        # full claim, then the completion function's call.
+        record_key, fingerprint = new_key()
+        params = {"key": record_key, "fp": fingerprint, "token": 7, "lease": LEASE, "ttl": TTL,
+                  "recovery": None}  # fmt: skip
+        with plain.cursor() as cur:
+            cur.execute(timeouts + ASYNC_COMMIT_PREFIX + EXECUTE_CLAIM, params)
+            cur.fetchone()
+            cur.execute("BEGIN;\n" + INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(
+                timeouts + COMPLETE + ";\nCOMMIT", (record_key, 7, *response_params(RESPONSE))
+            )
+
+    def transaction_calls() -> None:
+        # ``transaction`` with its two calls parsed and planned each time (as
+        # ``prepare_statements = False`` sends them, and as they were before).
+        record_key, fingerprint = new_key()
+        locks = (int.from_bytes(record_key[:7], "big"), int.from_bytes(fingerprint[:7], "big"))
+        with plain.cursor() as cur:
+            cur.execute(CLAIM_IN_TRANSACTION, (record_key, *locks))
+            cur.fetchall()
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(
+                timeouts + INSERT_COMPLETED,
+                (record_key, fingerprint, TTL, *response_params(RESPONSE)),
+            )
+
     def begin_rollback() -> None:
         with plain.cursor() as cur:
             cur.execute("BEGIN")
@@ -239,6 +291,8 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
         "begin+rollback": ("plain", begin_rollback),
         "transaction claim only": ("transaction", claim_only),
         "bare + savepoint": ("plain", bare_and_savepoint),
+        "row, full claim + fn": ("plain", row_full_claim),
+        "transaction, calls": ("plain", transaction_calls),
     }
     if probe.sqlalchemy is not None:
         found.update(sqlalchemy_sequences(probe.sqlalchemy))

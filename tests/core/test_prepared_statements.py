@@ -14,9 +14,7 @@ attempt, never half of it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import psycopg2
 import pytest
 from flask import Flask
 
@@ -25,6 +23,7 @@ from flask_idempotency.store.base import Claimed, LeaseLostError, StoredResponse
 from flask_idempotency.store.pool import ConnectionPool
 from flask_idempotency.store.postgres import PostgresStore
 from flask_idempotency.testing import databases
+from support.pg_query import query as sql
 
 ANSWER = StoredResponse(201, (("Content-Type", "application/json"),), b'{"id": 1}')
 #: What the completion writes, and what it clears, read back per record.
@@ -33,16 +32,6 @@ SELECT state, status_code, headers, body, lock_token, lease_expires_at, recovery
        completed_at IS NOT NULL, expires_at - completed_at >= interval '59 seconds'
   FROM idempotency_records WHERE record_key = %s
 """
-
-
-def sql(database_url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
-    conn = psycopg2.connect(database_url)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute(query, params)
-            return cur.fetchall() if cur.description else []
-    finally:
-        conn.close()
 
 
 @pytest.fixture
