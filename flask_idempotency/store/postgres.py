@@ -93,6 +93,9 @@ class PostgresStore(Maintenance):
         self._tx_claim_prepare = (
             "BEGIN;\n" + PREPARE_CLAIM_IN_TRANSACTION + EXECUTE_CLAIM_IN_TRANSACTION
         )
+        #: Completions run prepared (on the connection their claim prepared them on)
+        #: until a session is found to have lost its statements (``forget_prepared``).
+        self.prepared_completion = prepare_statements
         # Connections that have the claim prepared. A claim that finds its statement
         # gone (or already there) corrects this and runs again.
         self._prepared: weakref.WeakSet[Connection] = weakref.WeakSet()
@@ -128,8 +131,21 @@ class PostgresStore(Maintenance):
         return self._tx_claim_prepare
 
     def forget_prepared(self, conn: Connection) -> None:
-        """``conn`` lost the prepared claim: its next claim prepares it again."""
+        """``conn`` lost its prepared statements: its next claim prepares them again.
+
+        A claim can prepare again; a completion cannot, once the view's writes are
+        in the transaction. Statements that vanish from a session mean a pooler in
+        transaction mode that moves sessions between transactions (or an
+        application that deallocates them), so from the first time on, completions
+        are sent as function calls: slower, never lost."""
         self._prepared.discard(conn)
+        if self.prepared_completion:
+            self.prepared_completion = False
+            log.warning(
+                "idempotency: prepared statements vanished from a PostgreSQL session (a "
+                "pooler in transaction mode? set IDEMPOTENCY_DATABASE_OPTIONS"
+                '["prepare_statements"] = False); completions are no longer prepared'
+            )
 
     @classmethod
     def from_settings(cls, settings: Any, pool: Pool | None = None) -> PostgresStore:

@@ -56,6 +56,8 @@ class RequestStore(Protocol):
     driver: Driver
     #: The claim and the completion are prepared once per connection.
     prepare_statements: bool
+    #: Completions run prepared (until a session lost its prepared statements).
+    prepared_completion: bool
     #: ``SET LOCAL`` of the statement and lock timeouts, first in each round trip.
     timeouts: str
     #: Seconds before the watchdog gives up on one of our statements.
@@ -315,7 +317,7 @@ class PostgresRequest(RequestHandle):
         the connection its claim ran prepared on (the claim prepared it there), as a
         function call elsewhere (a connection replaced since, or none prepared)."""
         store = self._store
-        prepared = conn is self._prepared_conn
+        prepared = conn is self._prepared_conn and store.prepared_completion
         if self._claimed is not None:
             return store.insert_completed_prepared if prepared else store.insert_completed
         if self._in_transaction:

@@ -139,3 +139,29 @@ def test_a_view_that_deallocates_the_statements_loses_its_attempt_whole(
         assert sql(clean_db, "SELECT count(*) FROM prepared_view_rows") == [(1,)]
     finally:
         app.extensions["idempotency"].close()
+
+
+def test_statements_gone_from_a_session_turn_prepared_completions_off(
+    clean_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claim can prepare its statements again, a completion cannot (the view's
+    writes are in its transaction): once a session is found without them (a pooler
+    in transaction mode moving sessions, an application deallocating them), the
+    store completes through the function, and says why once."""
+    databases.migrate(clean_db)
+    store = PostgresStore(ConnectionPool(clean_db, max_size=1))
+    try:
+        complete_one(store, b"before", recovery=None)
+        assert store.prepared_completion
+        with store.pool.connection() as conn, conn.cursor() as cur:  # the only connection
+            cur.execute("DEALLOCATE ALL")
+        with caplog.at_level("WARNING", logger="flask_idempotency.store"):
+            complete_one(store, b"after", recovery=None)
+            complete_one(store, b"later", recovery=None)
+        assert not store.prepared_completion
+        said = [r.getMessage() for r in caplog.records if "vanished" in r.getMessage()]
+        assert len(said) == 1 and "prepare_statements" in said[0]
+        states = sql(clean_db, "SELECT state FROM idempotency_records ORDER BY record_key")
+        assert states == [("completed",)] * 3
+    finally:
+        store.close()
