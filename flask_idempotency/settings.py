@@ -92,8 +92,9 @@ class Settings:
     #: a claim lost in a database crash only re-opens a key whose holder's
     #: connection died with the crash, and whose completion therefore fails.
     async_claim_commit: bool = True
-    #: ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]``: prepare the claim once per connection
-    #: (halves its PostgreSQL CPU). Turn off behind PgBouncer in transaction mode,
+    #: ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]``: prepare the claim and the completion
+    #: once per connection (halves the claim's PostgreSQL CPU). Turn off behind PgBouncer in
+    #: transaction mode,
     #: which does not keep a session's prepared statements.
     prepare_statements: bool = True
     #: ``IDEMPOTENCY_MIGRATION_DIRS``: extra directories of ``NNNN_name.sql`` files
