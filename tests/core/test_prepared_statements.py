@@ -152,13 +152,15 @@ def test_statements_gone_from_a_session_turn_prepared_completions_off(
     store = PostgresStore(ConnectionPool(clean_db, max_size=1))
     try:
         complete_one(store, b"before", recovery=None)
-        assert store.prepared_completion
+        prepared_before = store.prepared_completion  # (a local: mypy narrows the attribute)
+        assert prepared_before
         with store.pool.connection() as conn, conn.cursor() as cur:  # the only connection
             cur.execute("DEALLOCATE ALL")
         with caplog.at_level("WARNING", logger="flask_idempotency.store"):
             complete_one(store, b"after", recovery=None)
             complete_one(store, b"later", recovery=None)
-        assert not store.prepared_completion
+        prepared_after = store.prepared_completion
+        assert not prepared_after
         said = [r.getMessage() for r in caplog.records if "vanished" in r.getMessage()]
         assert len(said) == 1 and "prepare_statements" in said[0]
         states = sql(clean_db, "SELECT state FROM idempotency_records ORDER BY record_key")
