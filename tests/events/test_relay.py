@@ -42,6 +42,15 @@ def pending(url: str) -> int:
     )
 
 
+def unlocked(url: str) -> int:
+    """Pending events no transaction holds locked (what a relay can take now)."""
+    statement = (
+        "SELECT count(*) FROM (SELECT 1 FROM idempotency_outbox WHERE published_at IS NULL"
+        " FOR UPDATE SKIP LOCKED) AS free"
+    )
+    return int(query(url, statement)[0][0])
+
+
 def test_relay_once_publishes_each_pending_event_with_its_id(
     make_events_app: MakeApp, clean_db: str, amqp_url: str, broker_names: BrokerNames
 ) -> None:
@@ -147,6 +156,9 @@ def test_a_relay_killed_between_publish_and_mark_publishes_again_under_the_same_
     crashed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr.decode()
     assert pending(clean_db) == 6  # its transaction died with it: nothing marked
+    # Its PostgreSQL backend ends its transaction only once it reads the closed
+    # socket: until then the rows stay locked, and a relay skips locked rows.
+    wait_until(lambda: unlocked(clean_db) == 6, 10, "the killed relay's locks to go")
     stats = Relay(app.extensions["idempotency"].store, Publisher(amqp_url, exchange)).run(once=True)
     received = Counter(message_ids(take_all(amqp_url, queue, expect=9)))
     print(
