@@ -95,7 +95,9 @@ class Settings:
     #: ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]``: prepare the claim and the completion
     #: once per connection (halves the claim's PostgreSQL CPU). Turn off behind PgBouncer in
     #: transaction mode,
-    #: which does not keep a session's prepared statements.
+    #: which does not keep a session's prepared statements. On psycopg 3 connections that
+    #: prepare queries on their own (``prepare_threshold``) only the claim is: psycopg
+    #: deallocates every statement of the session after a ``ROLLBACK``.
     prepare_statements: bool = True
     #: ``IDEMPOTENCY_MIGRATION_DIRS``: extra directories of ``NNNN_name.sql`` files
     #: applied by ``flask idempotency migrate`` after the extension's own schema.

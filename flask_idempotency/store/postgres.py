@@ -139,6 +139,8 @@ class PostgresStore(Maintenance):
         application that deallocates them), so from the first time on, completions
         are sent as function calls: slower, never lost."""
         self._prepared.discard(conn)
+        if not self.driver.keeps_prepared(conn):
+            return  # the driver's own doing (psycopg 3): its completions never rely on them
         if self.prepared_completion:
             self.prepared_completion = False
             log.warning(

@@ -315,9 +315,14 @@ class PostgresRequest(RequestHandle):
     def _completion_sql(self, conn: Connection) -> str:
         """The completion for this request's claim mode and transaction: prepared on
         the connection its claim ran prepared on (the claim prepared it there), as a
-        function call elsewhere (a connection replaced since, or none prepared)."""
+        function call elsewhere (a connection replaced since, or none prepared) and
+        where the driver may deallocate it under the view (psycopg 3 preparing)."""
         store = self._store
-        prepared = conn is self._prepared_conn and store.prepared_completion
+        prepared = (
+            conn is self._prepared_conn
+            and store.prepared_completion
+            and store.driver.keeps_prepared(conn)
+        )
         if self._claimed is not None:
             return store.insert_completed_prepared if prepared else store.insert_completed
         if self._in_transaction:

@@ -112,6 +112,38 @@ def test_rollback_discards_since_the_last_commit_and_the_session_goes_on(
     assert rows(dialect_url, label) == ["after_rollback", "first"]
 
 
+@pytest.mark.parametrize("claim_mode", ["row", "transaction"])
+def test_psycopg3_dropping_every_prepared_statement_after_a_rollback_costs_no_request(
+    make_sa_app: Any,
+    dialect: str,
+    dialect_url: str,
+    claim_mode: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """psycopg 3 prepares the queries it runs often (``prepare_threshold``; 0 here: at
+    once), and after any statement that answers ``ROLLBACK`` (the view's
+    ``rollback()`` to its last commit, a release) it deallocates every prepared
+    statement of the session, the extension's too. Such requests answer as any
+    other, on one connection, and the extension does not take the driver for a
+    pooler."""
+    if dialect != "psycopg":
+        pytest.skip("psycopg 3's own statement cache")
+    engine_options = {"pool_size": 1, "max_overflow": 0, "connect_args": {"prepare_threshold": 0}}
+    app = make_sa_app(SQLALCHEMY_ENGINE_OPTIONS=engine_options, IDEMPOTENCY_CLAIM_MODE=claim_mode)
+    client = Client(app)
+    with caplog.at_level("WARNING", logger="flask_idempotency"):
+        for then, kept in [("rollback", ["after_rollback", "first"]), ("ok", ["first"])] * 3:
+            label = new_label(f"pg3-{then}")
+            answer = client.post(label, then=then)
+            assert answer.status_code == 201, answer.get_data(as_text=True)
+            assert rows(dialect_url, label) == kept
+        failed = new_label("pg3-fail")  # a release: its ROLLBACK, then the next claim
+        assert client.post(failed, then="raise").status_code == 500
+        assert client.post(failed, then="ok").status_code == 201
+        assert rows(dialect_url, failed) == ["first"]
+    assert not [r for r in caplog.records if "vanished" in r.getMessage()]
+
+
 def test_a_rollback_with_nothing_sent_since_the_commit_discards_nothing(
     client: Client, dialect_url: str
 ) -> None:
