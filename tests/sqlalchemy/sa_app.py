@@ -218,6 +218,19 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
                 db.session.rollback()
             db.session.add(Transfer(label=label, amount=amount, step="after_rollback"))
             db.session.commit()
+        elif then == "nested":
+            # Get-or-create with the session's own nested transactions (savepoints of
+            # SQLAlchemy's inside the request's transaction): a collision undoes that
+            # insert alone; a nested block that succeeds is kept with the rest.
+            try:
+                with db.session.begin_nested():
+                    db.session.add(User(api_key=API_KEY_TAKEN))
+            except sa.exc.IntegrityError:
+                pass
+            with db.session.begin_nested():
+                db.session.add(Transfer(label=label, amount=amount, step="nested"))
+            db.session.add(Transfer(label=label, amount=amount, step="after_nested"))
+            db.session.commit()
         elif then == "empty_rollback":
             # The session begins and rolls back with nothing sent in between (the
             # stretch's savepoint was never needed), then writes and commits.

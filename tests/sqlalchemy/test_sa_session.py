@@ -153,6 +153,24 @@ def test_a_rollback_with_nothing_sent_since_the_commit_discards_nothing(
     assert rows(dialect_url, label) == ["after_rollback", "first"]
 
 
+@pytest.mark.parametrize(
+    ("status", "kept"), [(201, ["after_nested", "first", "nested"]), (500, [])]
+)
+def test_nested_transactions_of_the_session_nest_in_the_requests(
+    client: Client, dialect_url: str, status: int, kept: list[str]
+) -> None:
+    """``db.session.begin_nested()`` (a caught collision, then a block that succeeds)
+    inside a claimed request: its savepoints are inside the request's transaction,
+    kept with a stored answer and gone with one that is not."""
+    label = new_label(f"nested-{status}")
+    answer = client.post(label, then="nested", headers={"X-Status": str(status)})
+    assert answer.status_code == status, answer.get_data(as_text=True)
+    assert rows(dialect_url, label) == kept
+    if status == 500:  # not stored: the retry runs, once
+        assert client.post(label, then="nested").status_code == 201
+        assert rows(dialect_url, label) == ["after_nested", "first", "nested"]
+
+
 @pytest.mark.parametrize(("status", "kept"), [(201, ["first", "raw", "second"]), (500, [])])
 def test_session_and_the_extensions_connection_share_the_transaction(
     client: Client, dialect_url: str, status: int, kept: list[str]
