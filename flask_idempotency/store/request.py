@@ -312,17 +312,20 @@ class PostgresRequest(RequestHandle):
         self._in_transaction = False
         self._claimed = None
 
+    def _ran_prepared_on(self, conn: Connection) -> None:
+        """The claim ran prepared on ``conn``, which so has the completion prepared
+        too: the completion may run prepared there, unless the driver may deallocate
+        it while the view runs (psycopg 3 preparing queries of its own)."""
+        store = self._store
+        if store.prepare_statements and store.driver.keeps_prepared(conn):
+            self._prepared_conn = conn
+
     def _completion_sql(self, conn: Connection) -> str:
         """The completion for this request's claim mode and transaction: prepared on
         the connection its claim ran prepared on (the claim prepared it there), as a
-        function call elsewhere (a connection replaced since, or none prepared) and
-        where the driver may deallocate it under the view (psycopg 3 preparing)."""
+        function call elsewhere (a connection replaced since, or none prepared)."""
         store = self._store
-        prepared = (
-            conn is self._prepared_conn
-            and store.prepared_completion
-            and store.driver.keeps_prepared(conn)
-        )
+        prepared = conn is self._prepared_conn and store.prepared_completion
         if self._claimed is not None:
             return store.insert_completed_prepared if prepared else store.insert_completed
         if self._in_transaction:
@@ -504,8 +507,7 @@ class RowClaimRequest(PostgresRequest):
                 # The server answered (a statement or lock timeout, a missing table):
                 # the connection is sound and goes back to the pool with the request.
                 raise answered("claim", exc) from exc
-            if self._store.prepare_statements:
-                self._prepared_conn = conn
+            self._ran_prepared_on(conn)
             if new_key:
                 new_key = False
                 if row is not None and (row[0] or not _could_take_over(row, fingerprint)):
@@ -575,8 +577,7 @@ class TransactionClaimRequest(PostgresRequest):
                     raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
                 raise answered("claim", exc) from exc
         self._in_transaction = True
-        if self._store.prepare_statements:
-            self._prepared_conn = conn
+        self._ran_prepared_on(conn)
         if row is None:
             self._claimed = (fingerprint, ttl)
             return Claimed(new_token())  # names the attempt; the locks fence
