@@ -38,6 +38,50 @@ def backend_seconds(pid: int) -> float:
         return int(stat.read().split()[0]) / 1e9
 
 
+def bare(cur: psycopg2.extensions.cursor) -> Callable[[], None]:
+    """``BEGIN``, the business ``INSERT``, ``COMMIT``: the baseline every probe subtracts."""
+
+    def run() -> None:
+        cur.execute("BEGIN;\n" + INSERT_CHARGE, (1000, "usd"))
+        cur.fetchone()
+        cur.execute("COMMIT")
+
+    return run
+
+
+def interleaved(
+    pid: int, runs: dict[str, Callable[[], None]], rounds: int, chunk: int
+) -> dict[str, list[float]]:
+    """Each sequence's backend CPU per run (us) in each round, on the backend ``pid``:
+    every sequence warmed first, then taken ``chunk`` runs at a time in turn, the
+    order rotated each round, so a slow minute falls on all of them alike."""
+    names = list(runs)
+    found: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        for _ in range(50):
+            runs[name]()  # warm: plans, caches
+    for round_no in range(rounds):
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = backend_seconds(pid)
+            for _ in range(chunk):
+                runs[name]()
+            found[name].append((backend_seconds(pid) - start) / chunk * 1e6)
+    return found
+
+
+def report(
+    found: dict[str, list[float]], rounds: int, chunk: int, notes: dict[str, str] | None = None
+) -> None:
+    """Each sequence's median and its difference to ``bare``, with its note if any."""
+    base = statistics.median(found["bare"])
+    print(f"backend CPU per first request, medians of {rounds} rounds of {chunk}")
+    for name, figures in found.items():
+        median = statistics.median(figures)
+        note = (notes or {}).get(name, "")
+        print(f"{name:<22}{median:8.1f} us  {median - base:+8.1f} over bare{note}")
+
+
 def sequences(cur: psycopg2.extensions.cursor) -> dict[str, Callable[[], None]]:
     def row(claim: str, complete: str) -> Callable[[], None]:
         def first_request() -> None:
@@ -63,13 +107,8 @@ def sequences(cur: psycopg2.extensions.cursor) -> dict[str, Callable[[], None]]:
 
         return first_request
 
-    def bare() -> None:
-        cur.execute("BEGIN;\n" + INSERT_CHARGE, (1000, "usd"))
-        cur.fetchone()
-        cur.execute("COMMIT")
-
     return {
-        "bare": bare,
+        "bare": bare(cur),
         "row, before": row(sql.EXECUTE_CLAIM, sql.COMPLETE),
         "row, now": row(sql.EXECUTE_CLAIM_NEW, sql.EXECUTE_COMPLETE),
         "transaction, before": transaction(sql.CLAIM_IN_TRANSACTION, sql.INSERT_COMPLETED),
@@ -92,27 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         cur = conn.cursor()
         cur.execute(sql.PREPARE_CLAIM)
         cur.execute("BEGIN;\n" + sql.PREPARE_CLAIM_IN_TRANSACTION + "COMMIT")
-        pid = conn.get_backend_pid()
-        runs = sequences(cur)
-        names = list(runs)
-        found: dict[str, list[float]] = {name: [] for name in names}
-        for name in names:
-            for _ in range(50):
-                runs[name]()  # warm: plans, caches
-        for round_no in range(args.rounds):
-            shift = round_no % len(names)
-            for name in names[shift:] + names[:shift]:
-                start = backend_seconds(pid)
-                for _ in range(args.chunk):
-                    runs[name]()
-                found[name].append((backend_seconds(pid) - start) / args.chunk * 1e6)
+        found = interleaved(conn.get_backend_pid(), sequences(cur), args.rounds, args.chunk)
     finally:
         conn.close()
-    base = statistics.median(found["bare"])
-    print(f"backend CPU per first request, medians of {args.rounds} rounds of {args.chunk}")
-    for name in names:
-        median = statistics.median(found[name])
-        print(f"{name:<22}{median:8.1f} us  {median - base:+8.1f} over bare")
+    report(found, args.rounds, args.chunk)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ for it (``LIKE idempotency_records INCLUDING ALL``, dropped at the end):
   ``expires_at`` as the claim set it (a record would then live its TTL from its
   claim, not from its completion).
 
-A first request is the claim's ``INSERT`` (committed on its own,
-asynchronously, as the library's), the business ``INSERT`` and the completion
-with the ``COMMIT``, next to ``bare`` (``BEGIN``, ``INSERT``, ``COMMIT``). All of
+A first request is the library's own statements, prepared as it prepares them
+and pointed at a copy: the new key's claim (committed on its own,
+asynchronously), the business ``INSERT``, and the completion with the
+``COMMIT``, next to ``bare`` (``BEGIN``, ``INSERT``, ``COMMIT``). All of
 it runs on one connection, so on one PostgreSQL backend, interleaved in
 chunks, rounds rotated; the backend's CPU comes from ``/proc/PID/schedstat``
 (nanoseconds), so run it on the database's machine, with
@@ -35,45 +36,39 @@ from __future__ import annotations
 import argparse
 import hashlib
 import secrets
-import statistics
 from collections.abc import Callable
 
 import psycopg2
 
+from flask_idempotency.store import sql
+
 from .app import INSERT_CHARGE, database_url, prepare_database
-from .claim_shapes import BODY, HEADERS, TIMEOUTS, backend_seconds
+from .claim_shapes import BODY, HEADERS, TIMEOUTS, bare, interleaved, report
 
 #: The copies of the records table, by sequence name.
 TABLES = {"today": "bench_records_today", "hot": "bench_records_hot"}
+#: The completion's ``SET`` item that changes the purge index's column.
+EXTEND_EXPIRY = "expires_at = greatest("
 
-CLAIM = """
-SET LOCAL synchronous_commit TO off;
-INSERT INTO {table}
-    (record_key, fingerprint, state, lock_token, lease_expires_at, created_at, expires_at)
-VALUES (%(key)s, %(key)s, 'processing', %(token)s, now() + interval '30 s', now(),
-        now() + interval '1 day')
-ON CONFLICT (record_key) DO NOTHING
-RETURNING true
-"""
 
-#: The library's completion (``sql.COMPLETE_BODY``'s ``UPDATE``), on a copy.
-COMPLETE_TODAY = """
-UPDATE {table}
-   SET state = 'completed', status_code = %(status)s, headers = %(headers)s, body = %(body)s,
-       completed_at = now(), lock_token = NULL, lease_expires_at = NULL,
-       expires_at = greatest(expires_at, now() + (expires_at - created_at)),
-       recovery = NULL, phases = NULL
- WHERE record_key = %(key)s AND lock_token = %(token)s AND state = 'processing'
-"""
-#: The same, leaving ``expires_at`` alone: with no index on the columns it sets
-#: (``state``, ``lease_expires_at``, ``recovery``), the update can be HOT.
-COMPLETE_HOT = """
-UPDATE {table}
-   SET state = 'completed', status_code = %(status)s, headers = %(headers)s, body = %(body)s,
-       completed_at = now(), lock_token = NULL, lease_expires_at = NULL,
-       recovery = NULL, phases = NULL
- WHERE record_key = %(key)s AND lock_token = %(token)s AND state = 'processing'
-"""
+def prepare_on(table: str, *, keep_expiry: bool) -> str:
+    """The library's prepared statements (``sql.PREPARE_CLAIM``: the claims and the
+    completion) on a copy of the records table, named after the copy; with
+    ``keep_expiry``, the completion without the ``SET`` item that moves ``expires_at``."""
+    prepare = sql.PREPARE_CLAIM.replace("idempotency_records", table)
+    prepare = prepare.replace("PREPARE idempotency_", f"PREPARE {table}_")
+    if keep_expiry:
+        kept = [line for line in prepare.splitlines() if EXTEND_EXPIRY not in line]
+        if len(kept) == len(prepare.splitlines()):
+            raise RuntimeError("the completion no longer moves expires_at: update this probe")
+        prepare = "\n".join(kept)
+    return prepare
+
+
+def executed_on(table: str, statement: str) -> str:
+    """One of the library's ``EXECUTE``s (``sql.EXECUTE_CLAIM_NEW``,
+    ``sql.EXECUTE_COMPLETE``), of the statements ``prepare_on(table)`` prepared."""
+    return statement.replace("EXECUTE idempotency_", f"EXECUTE {table}_")
 
 
 def create_copies(cur: psycopg2.extensions.cursor) -> None:
@@ -105,35 +100,29 @@ def hot_shares(cur: psycopg2.extensions.cursor) -> dict[str, float]:
 
 
 def sequences(cur: psycopg2.extensions.cursor) -> dict[str, Callable[[], None]]:
-    def first_request(table: str, complete: str) -> Callable[[], None]:
-        claim, complete = CLAIM.format(table=table), complete.format(table=table)
+    def first_request(table: str, *, keep_expiry: bool) -> Callable[[], None]:
+        cur.execute(prepare_on(table, keep_expiry=keep_expiry))
+        claim = TIMEOUTS + sql.ASYNC_COMMIT_PREFIX + executed_on(table, sql.EXECUTE_CLAIM_NEW)
+        complete = TIMEOUTS + executed_on(table, sql.EXECUTE_COMPLETE) + ";\nCOMMIT"
 
         def run() -> None:
-            params = {
-                "key": hashlib.sha256(secrets.token_bytes(16)).digest(),
-                "token": secrets.randbits(62),
-                "status": 201,
-                "headers": HEADERS,
-                "body": BODY,
-            }
-            cur.execute(TIMEOUTS + claim, params)
-            if cur.fetchone() is None:
-                raise RuntimeError("a new key's claim inserted nothing")
+            key, token = hashlib.sha256(secrets.token_bytes(16)).digest(), secrets.randbits(62)
+            params = {"key": key, "fp": key, "token": token, "lease": 30.0, "ttl": 86400.0,
+                      "recovery": None}  # fmt: skip
+            cur.execute(claim, params)
+            row = cur.fetchone()
+            if row is None or row[0] is not True:
+                raise RuntimeError("a new key's claim claimed nothing")
             cur.execute("BEGIN;\n" + INSERT_CHARGE, (1000, "usd"))
             cur.fetchone()
-            cur.execute(TIMEOUTS + complete + ";\nCOMMIT", params)
+            cur.execute(complete, (key, token, 201, HEADERS, BODY))
 
         return run
 
-    def bare() -> None:
-        cur.execute("BEGIN;\n" + INSERT_CHARGE, (1000, "usd"))
-        cur.fetchone()
-        cur.execute("COMMIT")
-
     return {
-        "bare": bare,
-        "today": first_request(TABLES["today"], COMPLETE_TODAY),
-        "hot": first_request(TABLES["hot"], COMPLETE_HOT),
+        "bare": bare(cur),
+        "today": first_request(TABLES["today"], keep_expiry=False),
+        "hot": first_request(TABLES["hot"], keep_expiry=True),
     }
 
 
@@ -146,20 +135,7 @@ def measure(dsn: str, rounds: int, chunk: int) -> tuple[dict[str, list[float]], 
     try:
         cur = conn.cursor()
         create_copies(cur)
-        pid = conn.get_backend_pid()
-        runs = sequences(cur)
-        names = list(runs)
-        found: dict[str, list[float]] = {name: [] for name in names}
-        for name in names:
-            for _ in range(50):
-                runs[name]()  # warm: plans, caches
-        for round_no in range(rounds):
-            shift = round_no % len(names)
-            for name in names[shift:] + names[:shift]:
-                start = backend_seconds(pid)
-                for _ in range(chunk):
-                    runs[name]()
-                found[name].append((backend_seconds(pid) - start) / chunk * 1e6)
+        found = interleaved(conn.get_backend_pid(), sequences(cur), rounds, chunk)
         return found, hot_shares(cur)
     finally:
         try:
@@ -178,12 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=200, help="requests per turn")
     args = parser.parse_args(argv)
     found, shares = measure(database_url(), args.rounds, args.chunk)
-    base = statistics.median(found["bare"])
-    print(f"backend CPU per first request, medians of {args.rounds} rounds of {args.chunk}")
-    for name, figures in found.items():
-        median = statistics.median(figures)
-        hot = f"  HOT updates {shares[name]:.0%}" if name in shares else ""
-        print(f"{name:<8}{median:8.1f} us  {median - base:+8.1f} over bare{hot}")
+    notes = {name: f"  HOT updates {share:.0%}" for name, share in shares.items()}
+    report(found, args.rounds, args.chunk, notes)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ what it says they differ in."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import psycopg2
 import pytest
 
 from benchmarks import claim_shapes, hot_completion
@@ -15,9 +18,11 @@ def bench_db(clean_db: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return clean_db
 
 
-def _run(main: object, argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+def _run(
+    main: Callable[[list[str]], None], argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> list[str]:
     try:
-        main(argv)  # type: ignore[operator]
+        main(argv)
     except FileNotFoundError as exc:  # /proc/<backend pid>: PostgreSQL on another machine
         pytest.skip(f"the backend's CPU cannot be read here: {exc}")
     return capsys.readouterr().out.splitlines()
@@ -53,8 +58,6 @@ def test_only_the_hot_copy_updates_heap_only(bench_db: str) -> None:
 def test_the_hot_probe_drops_its_copies(bench_db: str, capsys: pytest.CaptureFixture[str]) -> None:
     lines = _run(hot_completion.main, ["--rounds", "1", "--chunk", "5"], capsys)
     assert [line.split()[0] for line in lines[1:]] == ["bare", "today", "hot"], lines
-    import psycopg2
-
     with psycopg2.connect(bench_db) as conn, conn.cursor() as cur:
         cur.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'bench_records_%'")
         assert cur.fetchone() == (0,)
