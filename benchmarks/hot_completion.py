@@ -1,20 +1,20 @@
-"""``python -m benchmarks.hot_completion``: what a HOT completion would save.
+"""``python -m benchmarks.hot_completion``: what the HOT completion saves.
 
 A row-mode first request writes its record twice: the claim inserts it, the
-completion updates it. That update is never HOT (heap-only): it changes
-``state``, ``lease_expires_at`` and ``recovery``, which the recoverable-claims
-index names (its key and its ``WHERE``), and ``expires_at``, which the purge's
-index is on. So each completion writes a new entry into every index of the
-table, where a HOT update writes none.
+completion updates it. Until migration 0009 that update was never HOT
+(heap-only): it changed ``state``, ``lease_expires_at`` and ``recovery``, which
+the recoverable-claims index named (its key and its ``WHERE``), and
+``expires_at``, which the purge's index is on. So each completion wrote a new
+entry into every index of the table, where a HOT update writes none.
 
-This probe measures what that costs, on two copies of the records table made
+This probe measures the difference, on two copies of the records table made
 for it (``LIKE idempotency_records INCLUDING ALL``, dropped at the end):
 
-* ``today``: the same indexes, and the completion's ``SET`` list as the
-  library sends it;
-* ``hot``: without the recoverable-claims index, and a completion that leaves
-  ``expires_at`` as the claim set it (a record would then live its TTL from its
-  claim, not from its completion).
+* ``before``: the indexes of migration 0006 (the recoverable-claims index on
+  ``lease_expires_at``), the default fill factor, and the completion moving
+  ``expires_at`` a whole TTL past itself, as it did before 0009;
+* ``now``: the table as the installed schema has it (indexes, fill factor),
+  and the completion as the library sends it.
 
 A first request is the library's own statements, prepared as it prepares them
 and pointed at a copy: the new key's claim (committed on its own,
@@ -46,23 +46,26 @@ from .app import INSERT_CHARGE, database_url, prepare_database
 from .claim_shapes import BODY, HEADERS, TIMEOUTS, bare, interleaved, report
 
 #: The copies of the records table, by sequence name.
-TABLES = {"today": "bench_records_today", "hot": "bench_records_hot"}
-#: The completion's ``SET`` item that changes the purge index's column.
-EXTEND_EXPIRY = "expires_at = greatest("
+TABLES = {"before": "bench_records_before", "now": "bench_records_now"}
+#: The completion's ``SET`` item that moves ``expires_at`` (migration 0009), and
+#: what it was before.
+EXPIRY_NOW = "expires_at = greatest(expires_at, now() + (expires_at - created_at) * 0.9)"
+EXPIRY_BEFORE = "expires_at = greatest(expires_at, now() + (expires_at - created_at))"
+#: The recoverable-claims index of migration 0006, for the ``before`` copy.
+INDEX_BEFORE = (
+    "CREATE INDEX ON {table} (lease_expires_at) WHERE state = 'processing' AND recovery IS NOT NULL"
+)
 
 
-def prepare_on(table: str, *, keep_expiry: bool) -> str:
+def prepare_on(table: str, *, before: bool) -> str:
     """The library's prepared statements (``sql.PREPARE_CLAIM``: the claims and the
     completion) on a copy of the records table, named after the copy; with
-    ``keep_expiry``, the completion without the ``SET`` item that moves ``expires_at``."""
+    ``before``, the completion moves ``expires_at`` as it did before migration 0009."""
     prepare = sql.PREPARE_CLAIM.replace("idempotency_records", table)
     prepare = prepare.replace("PREPARE idempotency_", f"PREPARE {table}_")
-    if keep_expiry:
-        kept = [line for line in prepare.splitlines() if EXTEND_EXPIRY not in line]
-        if len(kept) == len(prepare.splitlines()):
-            raise RuntimeError("the completion no longer moves expires_at: update this probe")
-        prepare = "\n".join(kept)
-    return prepare
+    if EXPIRY_NOW not in prepare:
+        raise RuntimeError("the completion's expires_at changed: update this probe")
+    return prepare.replace(EXPIRY_NOW, EXPIRY_BEFORE) if before else prepare
 
 
 def executed_on(table: str, statement: str) -> str:
@@ -72,16 +75,23 @@ def executed_on(table: str, statement: str) -> str:
 
 
 def create_copies(cur: psycopg2.extensions.cursor) -> None:
+    cur.execute("SELECT reloptions FROM pg_class WHERE relname = 'idempotency_records'")
+    row = cur.fetchone()
+    options = ", ".join(row[0]) if row and row[0] else ""
     for table in TABLES.values():
         cur.execute(f"DROP TABLE IF EXISTS {table}")
         cur.execute(f"CREATE TABLE {table} (LIKE idempotency_records INCLUDING ALL)")
-    # The copy of the partial index is named after its table; find it by its WHERE.
+    if options:  # (LIKE copies no storage parameters)
+        cur.execute(f"ALTER TABLE {TABLES['now']} SET ({options})")
+    # The copy of the recovery index is the partial one; find it by its WHERE.
+    before = TABLES["before"]
     cur.execute(
         "SELECT indexname FROM pg_indexes WHERE tablename = %s AND indexdef LIKE '%%WHERE%%'",
-        (TABLES["hot"],),
+        (before,),
     )
     for (index,) in cur.fetchall():
         cur.execute(f"DROP INDEX {index}")
+    cur.execute(INDEX_BEFORE.format(table=before))
 
 
 def hot_shares(cur: psycopg2.extensions.cursor) -> dict[str, float]:
@@ -100,8 +110,8 @@ def hot_shares(cur: psycopg2.extensions.cursor) -> dict[str, float]:
 
 
 def sequences(cur: psycopg2.extensions.cursor) -> dict[str, Callable[[], None]]:
-    def first_request(table: str, *, keep_expiry: bool) -> Callable[[], None]:
-        cur.execute(prepare_on(table, keep_expiry=keep_expiry))
+    def first_request(table: str, *, before: bool) -> Callable[[], None]:
+        cur.execute(prepare_on(table, before=before))
         claim = TIMEOUTS + sql.ASYNC_COMMIT_PREFIX + executed_on(table, sql.EXECUTE_CLAIM_NEW)
         complete = TIMEOUTS + executed_on(table, sql.EXECUTE_COMPLETE) + ";\nCOMMIT"
 
@@ -121,8 +131,8 @@ def sequences(cur: psycopg2.extensions.cursor) -> dict[str, Callable[[], None]]:
 
     return {
         "bare": bare(cur),
-        "today": first_request(TABLES["today"], keep_expiry=False),
-        "hot": first_request(TABLES["hot"], keep_expiry=True),
+        "before": first_request(TABLES["before"], before=True),
+        "now": first_request(TABLES["now"], before=False),
     }
 
 

@@ -123,8 +123,8 @@ SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
  WHERE e.record_key = $1 AND NOT EXISTS (SELECT 1 FROM claimed)
 """
 
-#: Row mode's completion with fencing, as ``idempotency_complete`` (migrations
-#: 0003, 0006) runs it, for connections that have it prepared: the function's
+#: Row mode's completion with fencing, as ``idempotency_complete`` (migration
+#: 0009) runs it, for connections that have it prepared: the function's
 #: call is parsed and planned on every request, and runs its own statement
 #: under settings it sets and resets; this one is planned once per connection.
 #: A record this holder no longer holds updates nothing, and then the function
@@ -132,12 +132,16 @@ SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
 #: (the transaction aborts, the ``COMMIT`` after it never runs): one refusal,
 #: written once, in the schema. Parameters: $1 record key, $2 lock token, $3
 #: status, $4 headers, $5 body. Keep the ``SET`` list the function's.
+#: It changes no column an index names (the record key, ``expires_at`` unless
+#: the view ran past a tenth of the TTL, ``recovery`` unless the route declares
+#: ``recover=``), so PostgreSQL updates the row on its page, writing no index
+#: entry: a HOT update (migration 0009).
 COMPLETE_BODY = """
 WITH completed AS (
     UPDATE idempotency_records
        SET state = 'completed', status_code = $3, headers = $4, body = $5,
            completed_at = now(), lock_token = NULL, lease_expires_at = NULL,
-           expires_at = greatest(expires_at, now() + (expires_at - created_at)),
+           expires_at = greatest(expires_at, now() + (expires_at - created_at) * 0.9),
            recovery = NULL, phases = NULL
      WHERE record_key = $1 AND lock_token = $2 AND state = 'processing'
      RETURNING extract(epoch FROM expires_at - now()) AS remaining
@@ -292,6 +296,8 @@ PASS_CUTOFF = "SELECT now() - make_interval(secs => %s)"
 #: late completion of the dead holder is refused. ``SKIP LOCKED``: completers
 #: running side by side take disjoint batches, and the lease is checked again
 #: under the row lock, so a record a client's retry just took is left alone.
+#: The candidates come from the index of records with ``recovery`` (migration
+#: 0009): only ``recover=`` attempts in flight or abandoned, sorted here.
 TAKE_OVER = """
 WITH candidates AS (
     SELECT record_key, lease_expires_at FROM idempotency_records

@@ -42,22 +42,22 @@ def test_claim_shapes_reports_every_shape(
     ], lines
 
 
-def test_only_the_hot_copy_updates_heap_only(bench_db: str) -> None:
+def test_only_the_current_schema_updates_heap_only(bench_db: str) -> None:
     try:
         found, shares = hot_completion.measure(bench_db, rounds=1, chunk=20)
     except FileNotFoundError as exc:
         pytest.skip(f"the backend's CPU cannot be read here: {exc}")
-    assert set(found) == {"bare", "today", "hot"}
+    assert set(found) == {"bare", "before", "now"}
     assert all(len(figures) == 1 and figures[0] >= 0 for figures in found.values())
-    # Today's completion changes indexed columns: never HOT. Without them, nearly
+    # Before 0009 the completion changed indexed columns: never HOT. Now, nearly
     # always (an update that does not fit its row's page goes elsewhere, not HOT).
-    assert shares["today"] == 0.0
-    assert shares["hot"] > 0.8, shares
+    assert shares["before"] == 0.0
+    assert shares["now"] > 0.8, shares
 
 
 def test_the_hot_probe_drops_its_copies(bench_db: str, capsys: pytest.CaptureFixture[str]) -> None:
     lines = _run(hot_completion.main, ["--rounds", "1", "--chunk", "5"], capsys)
-    assert [line.split()[0] for line in lines[1:]] == ["bare", "today", "hot"], lines
+    assert [line.split()[0] for line in lines[1:]] == ["bare", "before", "now"], lines
     with psycopg2.connect(bench_db) as conn, conn.cursor() as cur:
         cur.execute("SELECT count(*) FROM pg_tables WHERE tablename LIKE 'bench_records_%'")
         assert cur.fetchone() == (0,)

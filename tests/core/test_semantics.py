@@ -318,14 +318,17 @@ def test_expired_record_is_treated_as_absent(make_app: MakeApp, records: Records
 
 
 def test_route_ttl_override_is_stored(make_app: MakeApp, database_url: str) -> None:
-    """The TTL counts from the stored answer: it is replayable that long after."""
+    """The route's TTL counts from the first request (a fast view's completion keeps
+    the claim's expiry), and the answer is replayable at least 0.9 of it after."""
     app = make_app()
     post(app, {}, path="/optional")
-    [(seconds,)] = sql(
+    [(lives, after_completion)] = sql(
         database_url,
-        "SELECT extract(epoch FROM expires_at - completed_at) FROM idempotency_records",
+        "SELECT extract(epoch FROM expires_at - created_at),"
+        " extract(epoch FROM expires_at - completed_at) FROM idempotency_records",
     )
-    assert float(seconds) == pytest.approx(3600)
+    assert float(lives) == pytest.approx(3600)
+    assert 0.9 * 3600 <= float(after_completion) <= 3600
 
 
 def test_optional_route_runs_every_time_without_a_key(make_app: MakeApp) -> None:

@@ -1,0 +1,156 @@
+"""A row-mode completion is a HOT update: no index entry written (migration 0009).
+
+A first request writes its record twice, the claim's ``INSERT`` and the
+completion's ``UPDATE``. PostgreSQL keeps an update on the row's page and
+writes no index entry (a heap-only tuple) only when no column an index names
+changes, so these tests fail whenever an index or a ``SET`` item starts naming
+a column the completion changes. ``n_tup_hot_upd`` counts such updates, in
+``pg_stat_xact_user_tables`` for the transaction that made them and in
+``pg_stat_user_tables`` once a backend reports them.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg2
+import pytest
+from flask import Flask
+
+from flask_idempotency.store import sql as statements
+from flask_idempotency.testing import databases
+from support.pg_query import query as sql
+
+MakeApp = Callable[..., Flask]
+
+ANSWER = (201, '[["Content-Type", "application/json"]]', b'{"id": 1}')
+CLAIM_PARAMS = {"fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0}
+#: How long a request's record lives (the core app's ``/optional`` route).
+TTL = 3600.0
+
+
+def _updates(cur: Any) -> tuple[int, int]:
+    """This transaction's updates of the records table: (all, heap-only)."""
+    cur.execute(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
+        " WHERE relname = 'idempotency_records'"
+    )
+    row = cur.fetchone()
+    return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("completion", "recovery", "hot"),
+    [
+        ("function", None, True),
+        ("prepared", None, True),
+        # A recover= route's completion clears the payload its index is on.
+        ("function", b"payload", False),
+        ("prepared", b"payload", False),
+    ],
+)
+def test_a_completion_writes_no_index_entry_unless_the_route_keeps_recovery(
+    clean_db: str, completion: str, recovery: bytes | None, hot: bool
+) -> None:
+    databases.migrate(clean_db)
+    conn = psycopg2.connect(clean_db)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            key = secrets.token_bytes(32)
+            cur.execute(statements.CLAIM, {"key": key, "recovery": recovery, **CLAIM_PARAMS})
+            assert cur.fetchone()[0] is True  # type: ignore[index]
+            cur.execute("BEGIN")
+            if completion == "prepared":
+                cur.execute(statements.PREPARE_CLAIM)
+                cur.execute(statements.EXECUTE_COMPLETE, (key, 7, *ANSWER))
+            else:
+                cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
+            assert _updates(cur) == (1, 1 if hot else 0)
+            cur.execute("COMMIT")
+        [(state, lives)] = sql(
+            clean_db,
+            "SELECT state, expires_at - created_at = interval '1 hour' FROM idempotency_records",
+        )
+        assert (state, lives) == ("completed", True)  # the claim's expiry stands
+    finally:
+        conn.close()
+
+
+def test_a_slow_views_answer_lives_nine_tenths_of_the_ttl_after_it_is_stored(
+    clean_db: str,
+) -> None:
+    """The one completion that moves ``expires_at``: a view that ran past a tenth of
+    the TTL (here its claim is made to look 50 minutes old, of one hour)."""
+    databases.migrate(clean_db)
+    for completion in (statements.COMPLETE, statements.EXECUTE_COMPLETE):
+        conn = psycopg2.connect(clean_db)
+        conn.autocommit = True
+        try:
+            with conn.cursor() as cur:
+                key = secrets.token_bytes(32)
+                cur.execute(statements.CLAIM, {"key": key, "recovery": None, **CLAIM_PARAMS})
+                cur.execute(
+                    "UPDATE idempotency_records SET created_at = created_at - interval '50 min',"
+                    " expires_at = expires_at - interval '50 min' WHERE record_key = %s",
+                    (key,),
+                )
+                cur.execute("BEGIN")
+                cur.execute(statements.PREPARE_CLAIM)
+                cur.execute(completion, (key, 7, *ANSWER))
+                [remaining] = cur.fetchone()  # type: ignore[misc]
+                cur.execute("COMMIT")
+            assert remaining == pytest.approx(0.9 * TTL, abs=5)
+            [(after_completion,)] = sql(
+                clean_db,
+                "SELECT extract(epoch FROM expires_at - completed_at)::float8"
+                " FROM idempotency_records WHERE record_key = %s",
+                (key,),
+            )
+            assert after_completion == pytest.approx(0.9 * TTL, abs=5)
+        finally:
+            conn.close()
+
+
+def _table_updates(dsn: str) -> tuple[int, int]:
+    [(updated, hot)] = sql(
+        dsn,
+        "SELECT coalesce(sum(n_tup_upd), 0), coalesce(sum(n_tup_hot_upd), 0)"
+        " FROM pg_stat_user_tables WHERE relname = 'idempotency_records'",
+    )
+    return int(updated), int(hot)
+
+
+def _post(app: Flask, key: str) -> int:
+    response = app.test_client().post(
+        "/optional", json={"amount": 1}, headers={"Idempotency-Key": key}
+    )
+    return response.status_code
+
+
+def test_first_requests_through_the_app_update_their_records_heap_only(
+    make_app: MakeApp, clean_db: str
+) -> None:
+    """End to end: the request path's own completions (prepared, then plain) are HOT.
+    A backend reports its counts when it exits, so the app is closed first."""
+    requests = 20
+    for prepare in (True, False):
+        before = _table_updates(clean_db)
+        app = make_app(IDEMPOTENCY_DATABASE_OPTIONS={"prepare_statements": prepare})
+        assert all(_post(app, f"hot-{prepare}-{n}") == 201 for n in range(requests))
+        app.extensions["idempotency"].close()
+        deadline = time.monotonic() + 15
+        while (after := _table_updates(clean_db))[0] < before[0] + requests:
+            assert time.monotonic() < deadline, f"no statistics reported: {before} {after}"
+            time.sleep(0.1)
+        assert (after[0] - before[0], after[1] - before[1]) == (requests, requests)
+        [(lives,)] = sql(
+            clean_db,
+            "SELECT bool_and(expires_at - created_at = make_interval(secs => %s))"
+            " FROM idempotency_records",
+            (TTL,),
+        )
+        assert lives is True
