@@ -11,8 +11,9 @@ This probe measures the difference, on two copies of the records table made
 for it (``LIKE idempotency_records INCLUDING ALL``, dropped at the end):
 
 * ``before``: the indexes of migration 0006 (the recoverable-claims index on
-  ``lease_expires_at``), the default fill factor, and the completion moving
-  ``expires_at`` a whole TTL past itself, as it did before 0009;
+  ``lease_expires_at``), the ``CHECK`` on ``state``, the default fill factor,
+  and the completion moving ``expires_at`` a whole TTL past itself, as before
+  0009;
 * ``now``: the table as the installed schema has it (indexes, fill factor),
   and the completion as the library sends it.
 
@@ -51,6 +52,8 @@ TABLES = {"before": "bench_records_before", "now": "bench_records_now"}
 #: what it was before.
 EXPIRY_NOW = "expires_at = greatest(expires_at, now() + (expires_at - created_at) * 0.9)"
 EXPIRY_BEFORE = "expires_at = greatest(expires_at, now() + (expires_at - created_at))"
+#: The ``CHECK`` on ``state`` of migration 0001, for the ``before`` copy.
+CHECK_BEFORE = "ALTER TABLE {table} ADD CHECK (state IN ('processing', 'completed'))"
 #: The recoverable-claims index of migration 0006, for the ``before`` copy.
 INDEX_BEFORE = (
     "CREATE INDEX ON {table} (lease_expires_at) WHERE state = 'processing' AND recovery IS NOT NULL"
@@ -92,6 +95,7 @@ def create_copies(cur: psycopg2.extensions.cursor) -> None:
     for (index,) in cur.fetchall():
         cur.execute(f"DROP INDEX {index}")
     cur.execute(INDEX_BEFORE.format(table=before))
+    cur.execute(CHECK_BEFORE.format(table=before))
 
 
 def hot_shares(cur: psycopg2.extensions.cursor) -> dict[str, float]:
