@@ -17,6 +17,7 @@ from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency, global_scope
 from flask_idempotency.cache import NullCache
+from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.memory import SWEEP_EVERY, MemoryStore
 from flask_idempotency.store.one_process import MultiProcessError
 from flask_idempotency.testing.live_server import LiveServer
@@ -280,3 +281,22 @@ def test_expired_records_are_swept_without_any_command() -> None:
     assert store.stats()["expired"] == SWEEP_EVERY - 1
     store.claim(b"new", b"fp", lease=1, ttl=1)  # the claim that sweeps
     assert store.stats() == {"processing": 1, "completed": 0, "expired": 0}
+
+
+def test_a_records_ttl_counts_from_its_claim_unless_the_view_was_slow() -> None:
+    """As PostgreSQL's completion (migration 0009): a fast view keeps the claim's
+    expiry; one slower than a tenth of the TTL stores an answer that lives nine
+    tenths of the TTL from its completion."""
+    store = MemoryStore()
+    answer = StoredResponse(201, (), b"{}")
+    remaining = {}
+    for name, view_seconds in (("fast", 1.0), ("slow", 50 * 60.0)):
+        claimed = store.claim(name.encode(), b"fp", lease=30, ttl=3600)
+        assert isinstance(claimed, Claimed)
+        store.advance(view_seconds)
+        store.complete(name.encode(), claimed.token, answer)
+        info = store.info(name.encode())
+        assert info is not None
+        remaining[name] = (info.expires_at - info.completed_at).total_seconds()  # type: ignore[operator]
+    assert remaining["fast"] == pytest.approx(3600 - 1.0)
+    assert remaining["slow"] == pytest.approx(0.9 * 3600)
