@@ -67,3 +67,42 @@ ALTER TABLE idempotency_records SET (fillfactor = 80);
 --    database work of a first request. Only the extension's own statements
 --    write state, always 'processing' or 'completed'.
 ALTER TABLE idempotency_records DROP CONSTRAINT IF EXISTS idempotency_records_state_check;
+
+-- 5. The transaction claim mode's completed record follows the same rule as the
+--    row mode's completion (2.): its TTL counts from the first request (the
+--    transaction's start, when it was claimed) unless the view ran past a tenth
+--    of it; then the answer lives nine tenths of the TTL after it is stored. It
+--    returns the seconds the record has left, for the Redis copy.
+CREATE OR REPLACE FUNCTION idempotency_insert_completed(
+    p_record_key bytea, p_fingerprint bytea, p_ttl double precision,
+    p_status smallint, p_headers jsonb, p_body bytea
+) RETURNS double precision
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    stored_at timestamptz := clock_timestamp();
+    expires timestamptz := greatest(now() + make_interval(secs => p_ttl),
+                                    stored_at + make_interval(secs => p_ttl * 0.9));
+BEGIN
+    INSERT INTO idempotency_records AS r
+        (record_key, fingerprint, state, created_at, expires_at, completed_at,
+         status_code, headers, body)
+    VALUES (p_record_key, p_fingerprint, 'completed', now(),
+            expires, stored_at, p_status, p_headers, p_body)
+    ON CONFLICT (record_key) DO UPDATE
+       SET fingerprint = EXCLUDED.fingerprint, state = 'completed', lock_token = NULL,
+           lease_expires_at = NULL, created_at = EXCLUDED.created_at,
+           expires_at = EXCLUDED.expires_at, completed_at = EXCLUDED.completed_at,
+           status_code = EXCLUDED.status_code, headers = EXCLUDED.headers, body = EXCLUDED.body,
+           takeovers = r.takeovers + 1
+     WHERE r.expires_at <= stored_at
+        OR (r.state = 'processing' AND r.lease_expires_at <= stored_at
+            AND r.fingerprint = EXCLUDED.fingerprint);
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'idempotency key held by another claim' USING ERRCODE = 'IK409';
+    END IF;
+    RETURN extract(epoch FROM expires - stored_at);
+END
+$$;

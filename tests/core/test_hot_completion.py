@@ -168,3 +168,39 @@ def test_no_check_expression_is_read_back_on_every_write(clean_db: str) -> None:
         " WHERE conrelid = 'idempotency_records'::regclass AND contype = 'c'",
     )
     assert checks == []
+
+
+@pytest.mark.parametrize(("view_seconds", "lives_from"), [(0.0, "claim"), (1.2, "completion")])
+def test_the_transaction_modes_record_follows_the_same_ttl_rule(
+    clean_db: str, view_seconds: float, lives_from: str
+) -> None:
+    """``claim_mode = "transaction"`` writes its record at completion: its TTL counts
+    from the transaction's start (the claim) unless the view took more than a tenth
+    of it (here 1.2 s of 10), and the function returns what the record has left."""
+    databases.migrate(clean_db)
+    ttl, key = 10.0, secrets.token_bytes(32)
+    conn = psycopg2.connect(clean_db)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute("BEGIN")
+            if view_seconds:
+                cur.execute("SELECT pg_sleep(%s)", (view_seconds,))
+            cur.execute(
+                "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s)",
+                (key, b"fp", ttl, *ANSWER),
+            )
+            [remaining] = cur.fetchone()  # type: ignore[misc]
+            cur.execute("COMMIT")
+    finally:
+        conn.close()
+    [(from_claim, from_completion)] = sql(
+        clean_db,
+        "SELECT extract(epoch FROM expires_at - created_at)::float8,"
+        " extract(epoch FROM expires_at - completed_at)::float8 FROM idempotency_records",
+    )
+    if lives_from == "claim":
+        assert from_claim == pytest.approx(ttl)
+    else:
+        assert from_completion == pytest.approx(0.9 * ttl)
+    assert remaining == pytest.approx(from_completion, abs=0.01)
