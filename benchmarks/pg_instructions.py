@@ -26,7 +26,6 @@ import argparse
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -39,6 +38,7 @@ import psycopg2
 from flask_idempotency.testing.unprivileged import account, running_as_root
 
 from .app import prepare_database
+from .servers import free_port
 from .statements import Probe, sequences
 
 DEFAULT_SEQUENCES = ("bare", "row", "transaction", "hand-written")
@@ -60,12 +60,6 @@ def server_bindir(given: str | None) -> Path:
     raise FileNotFoundError("no PostgreSQL server binaries (initdb, postgres): pass --bindir")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def counted_postgres(bindir: Path) -> Iterator[tuple[str, Path]]:
     """A throwaway PostgreSQL whose every process runs under callgrind: its DSN, and
@@ -78,7 +72,7 @@ def counted_postgres(bindir: Path) -> Iterator[tuple[str, Path]]:
         runs_as = account()
         os.chown(workdir, runs_as.uid, runs_as.gid)
         prefix = ["runuser", "-u", runs_as.name, "--"]
-    data, counts, port = workdir / "data", workdir / "counts", _free_port()
+    data, counts, port = workdir / "data", workdir / "counts", free_port()
     subprocess.run([*prefix, "mkdir", str(counts)], check=True)  # (owned by the server's account)
     subprocess.run(
         [*prefix, str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",

@@ -90,7 +90,7 @@ class Server:
         # project's gunicorn.conf.py, and the subjects must differ in nothing else.
         self.config_path.touch()
         for _attempt in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             argv = [
                 sys.executable, "-m", "gunicorn",
                 "--config", str(self.config_path),
@@ -199,7 +199,8 @@ def server_env(database_url: str, redis_url: str) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (for a server about to start)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]

@@ -17,6 +17,7 @@ from flask_idempotency.cli.doctor import FAIL, OK, WARN, Check, database
 from support.pg_query import query
 from support.pgbouncer_server import ThrowawayPgBouncer, find_pgbouncer
 from support.postgres_server import ThrowawayPostgres
+from support.waiting import wait_until
 
 from .doctoring import app_on, check, migrated
 
@@ -165,13 +166,15 @@ def test_autovacuum_off_on_the_server_fails(clean_db: str) -> None:
         assert found.status == FAIL and "off on the server" in found.detail, found
 
 
-def _wait_for_inserts(dsn: str, rows: int, timeout: float = 10.0) -> None:
+def _wait_for_inserts(dsn: str, rows: int) -> None:
     """Until the statistics show ``rows`` inserted into the records table."""
-    deadline = time.monotonic() + timeout
     reported = "SELECT n_tup_ins FROM pg_stat_user_tables WHERE relname = 'idempotency_records'"
-    while query(dsn, reported) != [(rows,)]:
-        assert time.monotonic() < deadline, query(dsn, reported)
-        time.sleep(0.05)
+    wait_until(
+        lambda: query(dsn, reported) == [(rows,)],
+        10.0,
+        f"{rows} inserts reported",
+        describe=lambda: str(query(dsn, reported)),
+    )
 
 
 def _wait_for(app: object, status: str, timeout: float = 10.0) -> Check:

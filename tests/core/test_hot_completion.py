@@ -12,8 +12,7 @@ a column the completion changes. ``n_tup_hot_upd`` counts such updates, in
 from __future__ import annotations
 
 import secrets
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg2
@@ -23,6 +22,7 @@ from flask import Flask
 from flask_idempotency.store import sql as statements
 from flask_idempotency.testing import databases
 from support.pg_query import query as sql
+from support.waiting import wait_until
 
 MakeApp = Callable[..., Flask]
 
@@ -42,6 +42,27 @@ def _updates(cur: Any) -> tuple[int, int]:
     return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
+@pytest.fixture
+def cur(clean_db: str) -> Iterator[Any]:
+    """A cursor on its own connection, outside any transaction, to a migrated database."""
+    databases.migrate(clean_db)
+    conn = psycopg2.connect(clean_db)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cursor:
+            yield cursor
+    finally:
+        conn.close()
+
+
+def _claim(cur: Any, *, recovery: bytes | None = None) -> bytes:
+    """A new key claimed as a row-mode request claims it (committed, lock token 7)."""
+    key = secrets.token_bytes(32)
+    cur.execute(statements.CLAIM, {"key": key, "recovery": recovery, **CLAIM_PARAMS})
+    assert cur.fetchone()[0] is True
+    return key
+
+
 @pytest.mark.parametrize(
     ("completion", "recovery", "hot"),
     [
@@ -53,66 +74,47 @@ def _updates(cur: Any) -> tuple[int, int]:
     ],
 )
 def test_a_completion_writes_no_index_entry_unless_the_route_keeps_recovery(
-    clean_db: str, completion: str, recovery: bytes | None, hot: bool
+    cur: Any, clean_db: str, completion: str, recovery: bytes | None, hot: bool
 ) -> None:
-    databases.migrate(clean_db)
-    conn = psycopg2.connect(clean_db)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            key = secrets.token_bytes(32)
-            cur.execute(statements.CLAIM, {"key": key, "recovery": recovery, **CLAIM_PARAMS})
-            assert cur.fetchone()[0] is True  # type: ignore[index]
-            cur.execute("BEGIN")
-            if completion == "prepared":
-                cur.execute(statements.PREPARE_CLAIM)
-                cur.execute(statements.EXECUTE_COMPLETE, (key, 7, *ANSWER))
-            else:
-                cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
-            assert _updates(cur) == (1, 1 if hot else 0)
-            cur.execute("COMMIT")
-        [(state, lives)] = sql(
-            clean_db,
-            "SELECT state, expires_at - created_at = interval '1 hour' FROM idempotency_records",
-        )
-        assert (state, lives) == ("completed", True)  # the claim's expiry stands
-    finally:
-        conn.close()
+    key = _claim(cur, recovery=recovery)
+    cur.execute("BEGIN")
+    if completion == "prepared":
+        cur.execute(statements.PREPARE_CLAIM)
+        cur.execute(statements.EXECUTE_COMPLETE, (key, 7, *ANSWER))
+    else:
+        cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
+    assert _updates(cur) == (1, 1 if hot else 0)
+    cur.execute("COMMIT")
+    [(state, lives)] = sql(
+        clean_db,
+        "SELECT state, expires_at - created_at = interval '1 hour' FROM idempotency_records",
+    )
+    assert (state, lives) == ("completed", True)  # the claim's expiry stands
 
 
+@pytest.mark.parametrize("completion", [statements.COMPLETE, statements.EXECUTE_COMPLETE])
 def test_a_slow_views_answer_lives_nine_tenths_of_the_ttl_after_it_is_stored(
-    clean_db: str,
+    cur: Any, clean_db: str, completion: str
 ) -> None:
     """The one completion that moves ``expires_at``: a view that ran past a tenth of
     the TTL (here its claim is made to look 50 minutes old, of one hour)."""
-    databases.migrate(clean_db)
-    for completion in (statements.COMPLETE, statements.EXECUTE_COMPLETE):
-        conn = psycopg2.connect(clean_db)
-        conn.autocommit = True
-        try:
-            with conn.cursor() as cur:
-                key = secrets.token_bytes(32)
-                cur.execute(statements.CLAIM, {"key": key, "recovery": None, **CLAIM_PARAMS})
-                cur.execute(
-                    "UPDATE idempotency_records SET created_at = created_at - interval '50 min',"
-                    " expires_at = expires_at - interval '50 min' WHERE record_key = %s",
-                    (key,),
-                )
-                cur.execute("BEGIN")
-                cur.execute(statements.PREPARE_CLAIM)
-                cur.execute(completion, (key, 7, *ANSWER))
-                [remaining] = cur.fetchone()  # type: ignore[misc]
-                cur.execute("COMMIT")
-            assert remaining == pytest.approx(0.9 * TTL, abs=5)
-            [(after_completion,)] = sql(
-                clean_db,
-                "SELECT extract(epoch FROM expires_at - completed_at)::float8"
-                " FROM idempotency_records WHERE record_key = %s",
-                (key,),
-            )
-            assert after_completion == pytest.approx(0.9 * TTL, abs=5)
-        finally:
-            conn.close()
+    cur.execute(statements.PREPARE_CLAIM)
+    key = _claim(cur)
+    cur.execute(
+        "UPDATE idempotency_records SET created_at = created_at - interval '50 min',"
+        " expires_at = expires_at - interval '50 min' WHERE record_key = %s",
+        (key,),
+    )
+    cur.execute("BEGIN")
+    cur.execute(completion, (key, 7, *ANSWER))
+    [remaining] = cur.fetchone()
+    cur.execute("COMMIT")
+    assert remaining == pytest.approx(0.9 * TTL, abs=5)
+    [(after_completion,)] = sql(
+        clean_db,
+        "SELECT extract(epoch FROM expires_at - completed_at)::float8 FROM idempotency_records",
+    )
+    assert after_completion == pytest.approx(0.9 * TTL, abs=5)
 
 
 def _table_updates(dsn: str) -> tuple[int, int]:
@@ -131,29 +133,32 @@ def _post(app: Flask, key: str) -> int:
     return response.status_code
 
 
+@pytest.mark.parametrize("prepare", [True, False])
 def test_first_requests_through_the_app_update_their_records_heap_only(
-    make_app: MakeApp, clean_db: str
+    make_app: MakeApp, clean_db: str, prepare: bool
 ) -> None:
-    """End to end: the request path's own completions (prepared, then plain) are HOT.
+    """End to end: the request path's own completions (prepared, or plain) are HOT.
     A backend reports its counts when it exits, so the app is closed first."""
     requests = 20
-    for prepare in (True, False):
-        before = _table_updates(clean_db)
-        app = make_app(IDEMPOTENCY_DATABASE_OPTIONS={"prepare_statements": prepare})
-        assert all(_post(app, f"hot-{prepare}-{n}") == 201 for n in range(requests))
-        app.extensions["idempotency"].close()
-        deadline = time.monotonic() + 15
-        while (after := _table_updates(clean_db))[0] < before[0] + requests:
-            assert time.monotonic() < deadline, f"no statistics reported: {before} {after}"
-            time.sleep(0.1)
-        assert (after[0] - before[0], after[1] - before[1]) == (requests, requests)
-        [(lives,)] = sql(
-            clean_db,
-            "SELECT bool_and(expires_at - created_at = make_interval(secs => %s))"
-            " FROM idempotency_records",
-            (TTL,),
-        )
-        assert lives is True
+    before = _table_updates(clean_db)
+    app = make_app(IDEMPOTENCY_DATABASE_OPTIONS={"prepare_statements": prepare})
+    assert all(_post(app, f"hot-{n}") == 201 for n in range(requests))
+    app.extensions["idempotency"].close()
+    wait_until(
+        lambda: _table_updates(clean_db)[0] >= before[0] + requests,
+        15.0,
+        f"{requests} updates reported",
+        describe=lambda: f"before {before}, now {_table_updates(clean_db)}",
+    )
+    after = _table_updates(clean_db)
+    assert (after[0] - before[0], after[1] - before[1]) == (requests, requests)
+    [(lives,)] = sql(
+        clean_db,
+        "SELECT bool_and(expires_at - created_at = make_interval(secs => %s))"
+        " FROM idempotency_records",
+        (TTL,),
+    )
+    assert lives is True
 
 
 def test_no_check_expression_is_read_back_on_every_write(clean_db: str) -> None:
@@ -172,28 +177,21 @@ def test_no_check_expression_is_read_back_on_every_write(clean_db: str) -> None:
 
 @pytest.mark.parametrize(("view_seconds", "lives_from"), [(0.0, "claim"), (1.2, "completion")])
 def test_the_transaction_modes_record_follows_the_same_ttl_rule(
-    clean_db: str, view_seconds: float, lives_from: str
+    cur: Any, clean_db: str, view_seconds: float, lives_from: str
 ) -> None:
     """``claim_mode = "transaction"`` writes its record at completion: its TTL counts
     from the transaction's start (the claim) unless the view took more than a tenth
     of it (here 1.2 s of 10), and the function returns what the record has left."""
-    databases.migrate(clean_db)
     ttl, key = 10.0, secrets.token_bytes(32)
-    conn = psycopg2.connect(clean_db)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute("BEGIN")
-            if view_seconds:
-                cur.execute("SELECT pg_sleep(%s)", (view_seconds,))
-            cur.execute(
-                "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s)",
-                (key, b"fp", ttl, *ANSWER),
-            )
-            [remaining] = cur.fetchone()  # type: ignore[misc]
-            cur.execute("COMMIT")
-    finally:
-        conn.close()
+    cur.execute("BEGIN")
+    if view_seconds:
+        cur.execute("SELECT pg_sleep(%s)", (view_seconds,))
+    cur.execute(
+        "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s)",
+        (key, b"fp", ttl, *ANSWER),
+    )
+    [remaining] = cur.fetchone()
+    cur.execute("COMMIT")
     [(from_claim, from_completion)] = sql(
         clean_db,
         "SELECT extract(epoch FROM expires_at - created_at)::float8,"
