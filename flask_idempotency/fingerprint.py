@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from flask import Request
 
@@ -17,6 +18,25 @@ from flask import Request
 #: ``json.loads`` of bytes detects their encoding first (both on every request).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 _DECODER = json.JSONDecoder()
+
+
+def _canonical_encoder() -> Callable[[object], str]:
+    """``_CANONICAL.encode``, with the C encoder it makes per call made once.
+
+    ``JSONEncoder.encode`` builds a new C encoder (and a float formatter) on every
+    call; the body's fingerprint needs the same one every time. Without a
+    circular-reference check, which a value ``json.loads`` returned never needs.
+    """
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # (a Python without the C accelerator)
+        return _CANONICAL.encode
+    chunks = make(
+        None, _CANONICAL.default, json.encoder.encode_basestring, None, ":", ",", True, False, True
+    )
+    return lambda value: "".join(chunks(value, 0))
+
+
+_encode_canonical = _canonical_encoder()
 
 
 def is_json_mimetype(mimetype: str) -> bool:
@@ -35,7 +55,7 @@ def canonical_body(mimetype: str, body: bytes) -> bytes:
         # Not valid JSON: the view will reject it; compare the bytes as sent.
         return body
     try:
-        return _CANONICAL.encode(parsed).encode("utf-8", "surrogatepass")
+        return _encode_canonical(parsed).encode("utf-8", "surrogatepass")
     except (ValueError, RecursionError):
         return body
 
