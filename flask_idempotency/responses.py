@@ -60,9 +60,7 @@ def capture(response: Response, max_body: int, *, omit_oversize: bool) -> Stored
     flowing on untouched) or refused with :class:`NotStorable`.
     """
     headers = tuple(
-        (name, value)
-        for name, value in response.headers.items()
-        if name.lower() not in NOT_STORED_HEADERS
+        [pair for pair in response.headers if pair[0].lower() not in NOT_STORED_HEADERS]
     )
     if response.is_sequence and not response.direct_passthrough:
         body: bytes | None = response.get_data()
