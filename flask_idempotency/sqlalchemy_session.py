@@ -102,6 +102,13 @@ class Joined:
     #: The attempt is being settled: the session's commit or rollback ends its own
     #: bookkeeping only; the extension's COMMIT or ROLLBACK follows.
     settling: bool = False
+    #: ``get_bind``'s answers by mapper, for the ORM's flush (``JoiningSession``).
+    binds: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+    def route(self, chosen: Any) -> Any:
+        """The attempt's connection where the application chose the engine it joined;
+        any other bind (a second database) as chosen."""
+        return self.connection if chosen is self.connection.engine else chosen
 
     def open(self) -> None:
         """The session begins (its first statement, or the first after a
@@ -207,7 +214,7 @@ class SessionJoin:
         if session.in_transaction():
             session.rollback()  # (detach() ended it before the claim; a safety net)
         joined = Joined(session, connection, tx, raw, proxy, self.inline)
-        session.info[JOINED] = connection
+        session.info[JOINED] = joined
         _JOINED_BY_DBAPI[raw] = _JOINED_BY_DBAPI[proxy] = joined
         ctx.session = joined
 
@@ -385,10 +392,17 @@ def _joining(base: type[Session]) -> type[Session]:
         _idempotency_joins = True
 
         def get_bind(self, mapper: Any = None, clause: Any = None, **kwargs: Any) -> Any:
-            chosen = super().get_bind(mapper=mapper, clause=clause, **kwargs)
-            joined: SAConnection | None = self.info.get(JOINED)
+            joined: Joined | None = self.info.get(JOINED)
             if joined is not None:
-                return joined if chosen is joined.engine else chosen
+                if clause is None and not kwargs:
+                    # The ORM's flush asks this for each statement, the same question
+                    # each time; a mapper's database does not change within an attempt.
+                    bind = joined.binds.get(mapper)
+                    if bind is None:
+                        bind = joined.binds[mapper] = joined.route(super().get_bind(mapper))
+                    return bind
+                return joined.route(super().get_bind(mapper=mapper, clause=clause, **kwargs))
+            chosen = super().get_bind(mapper=mapper, clause=clause, **kwargs)
             if _joined_elsewhere(chosen):
                 raise RuntimeError(
                     "a second session on the idempotent request's database (after "
