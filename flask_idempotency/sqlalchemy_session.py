@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flask_idempotency.sqlalchemy")
 
-#: ``Session.info`` and ``Connection.info`` key of a joined attempt.
+#: ``Session.info`` key of the session's joined attempt (its :class:`Joined`).
 JOINED = "flask_idempotency.joined"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg2
 import pytest
 from flask import Flask, jsonify, request
 from flask_sqlalchemy import SQLAlchemy
@@ -21,6 +20,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency, global_scope
+from support.pg_query import query
 
 
 class Base(DeclarativeBase):
@@ -44,17 +44,20 @@ class AuditEntry(db.Model):  # type: ignore[name-defined,misc]
 
 
 def _labels(dsn: str, table: str) -> list[str]:
-    conn = psycopg2.connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute(f"SELECT label FROM {table} ORDER BY id")  # noqa: S608 (a constant)
-            return [row[0] for row in cur.fetchall()]
-    finally:
-        conn.close()
+    return [row[0] for row in query(dsn, f"SELECT label FROM {table} ORDER BY id")]
+
+
+#: What the view's ``get_bind`` calls answered, in order (the first test reads it).
+Routes = list[Any]
 
 
 @pytest.fixture
-def app(clean_db: str) -> Iterator[Flask]:
+def routes() -> Routes:
+    return []
+
+
+@pytest.fixture
+def app(clean_db: str, routes: Routes) -> Iterator[Flask]:
     url = clean_db.replace("postgresql://", "postgresql+psycopg2://", 1)
     app = Flask(__name__)
     app.config.update(
@@ -66,7 +69,6 @@ def app(clean_db: str) -> Iterator[Flask]:
     with app.app_context():
         db.create_all()
     idempotency = Idempotency(app, db=db)
-    routes: list[Any] = []
 
     @app.post("/pay")
     @idempotency.required
@@ -83,7 +85,6 @@ def app(clean_db: str) -> Iterator[Flask]:
             raise RuntimeError("after commit")
         return jsonify(label=label), 201
 
-    app.config["ROUTES"] = routes
     try:
         yield app
     finally:
@@ -98,9 +99,9 @@ def _post(app: Flask, key: str, body: dict[str, str]) -> Any:
     return app.test_client().post("/pay", json=body, headers={"Idempotency-Key": key})
 
 
-def test_each_mapper_is_routed_to_its_own_database_every_time(app: Flask, clean_db: str) -> None:
+def test_each_mapper_is_routed_to_its_own_database_every_time(app: Flask, routes: Routes) -> None:
     assert _post(app, "k-routes", {"label": "routes"}).status_code == 201
-    main, audit, main_again, audit_again = app.config["ROUTES"]
+    main, audit, main_again, audit_again = routes
     assert isinstance(main, Connection), "the default engine is the attempt's connection"
     assert main_again is main
     with app.app_context():
