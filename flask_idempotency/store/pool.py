@@ -211,7 +211,10 @@ class EnginePool:
         """One of the engine's connections, in autocommit mode, within ``terms``;
         ``StoreUnavailableError`` when none comes free within the pool's timeout or
         the connect fails, ``BreakerOpenError`` when the breaker opened meanwhile."""
-        self._warn_if_waiting()
+        observer = self.observer
+        waiting = self._must_wait() and observer is not None
+        if waiting:
+            observer.pool_waiting(1)  # type: ignore[union-attr]
         _CHECKOUT.terms = terms
         try:
             connection = self.engine.connect()
@@ -221,19 +224,21 @@ class EnginePool:
             _unavailable(exc)
         except BreakerOpenError:
             raise
-        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:
+        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
             if isinstance(getattr(exc, "orig", None), BreakerOpenError):
                 raise BreakerOpenError(ABANDONED) from exc
             _unavailable(exc)
         finally:
             _CHECKOUT.terms = None
+            if waiting:
+                observer.pool_waiting(-1)  # type: ignore[union-attr]
         if terms is not None and terms.abandoned():
             connection.close()
             raise BreakerOpenError(ABANDONED)
         try:
             connection.execution_options(isolation_level="AUTOCOMMIT")
             raw = connection.connection.driver_connection
-        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:
+        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
             connection.invalidate()
             connection.close()
             raise StoreUnavailableError(
@@ -245,17 +250,17 @@ class EnginePool:
             self.observer.pool_checkout()
         return raw
 
-    def _warn_if_waiting(self) -> None:
-        """Once per process: a request is about to wait for one of the pool's
-        connections (every one is lent), which says the pool is smaller than the
-        worker's threads."""
-        if self._warned_wait:
-            return
+    def _must_wait(self) -> bool:
+        """Whether a checkout now waits for one of the pool's connections (every one
+        is lent), which says the pool is smaller than the worker's threads: warned
+        about once per process."""
         pool: Any = self.engine.pool
         counts = ("checkedin", "checkedout", "size")
         if not all(callable(getattr(pool, name, None)) for name in counts):
-            return
-        if pool.checkedin() == 0 and pool.checkedout() >= pool.size():
+            return False
+        if pool.checkedin() > 0 or pool.checkedout() < pool.size():
+            return False
+        if not self._warned_wait:
             self._warned_wait = True
             size, setting = self.capacity() or (pool.size(), "pool_size")
             log.warning(
@@ -266,6 +271,7 @@ class EnginePool:
                 size,
                 setting,
             )
+        return True
 
     def sqlalchemy_connection(self, raw: Connection) -> SAConnection:
         """The SQLAlchemy connection ``raw`` was lent with (what a session joins)."""
@@ -288,7 +294,7 @@ class EnginePool:
             if discard or conn.closed:
                 connection.invalidate()
             connection.close()
-        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:
+        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
             log.debug("idempotency: connection not returned cleanly: %s", type(exc).__name__)
         finally:
             if self.observer is not None:
@@ -341,7 +347,7 @@ class EnginePool:
                     self._keeper_pool = self.engine.pool.recreate()
                 try:
                     proxy = self._keeper_pool.connect()
-                except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:
+                except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
                     _unavailable(exc)
                 proxy.driver_connection.autocommit = True
                 self._keeper = proxy

@@ -134,7 +134,7 @@ class PostgresStore(Maintenance):
         the client-side deadline: one waiting for a synchronous standby that is
         gone ignores ``statement_timeout``, and its outcome is then unknown (503).
         """
-        request = RowClaimRequest(self)
+        request = RowClaimRequest(self, guarded=False)
         try:
             conn = request.connection()
             try:

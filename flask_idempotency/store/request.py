@@ -76,8 +76,12 @@ class PostgresRequest(RequestHandle):
     autocommit mode.
     """
 
-    def __init__(self, store: RequestStore) -> None:
+    def __init__(self, store: RequestStore, *, guarded: bool = True) -> None:
         self._store = store
+        #: The store's breaker, which this handle's statements report to and which
+        #: refuses it at once while open; ``None`` for the application's own
+        #: transactions outside idempotent routes (``PostgresStore.transaction``).
+        self._breaker = store.breaker if guarded else None
         self._conn: Connection | None = None
         #: One of our statements got no answer before its deadline: PostgreSQL is
         #: not answering, so the release does not wait on a new connection too.
@@ -90,7 +94,10 @@ class PostgresRequest(RequestHandle):
         ``StoreUnavailableError`` while the store's breaker is open, and a connect it
         needs ends by ``until`` (monotonic clock; the store's deadline from now)."""
         if self._conn is None:
-            breaker = self._store.breaker
+            breaker = self._breaker
+            if breaker is None:
+                self._conn = self._store.pool.getconn()
+                return self._conn
             openings = breaker.admit()
             terms = Checkout(
                 until if until is not None else time.monotonic() + self._store.deadline,
@@ -178,7 +185,7 @@ class PostgresRequest(RequestHandle):
                 sql,
                 params,
                 deadline=deadline,
-                breaker=self._store.breaker,
+                breaker=self._breaker,
                 fetch=fetch,
                 # Cut after less than half the deadline (the claim's time went on
                 # waiting for a connection): too little said about the server.
@@ -227,6 +234,7 @@ class PostgresRequest(RequestHandle):
         conn = self._acquire()
         answer = response_params(response)
         statements = self._store.statements
+        params: tuple[Any, ...]
         if self._claimed is not None:
             fingerprint, ttl = self._claimed
             sql, params = statements.insert_completed, (record_key, fingerprint, ttl, *answer)
