@@ -42,9 +42,7 @@ def create_app(
     timeout = check_timeouts(app.config)
     apply_defaults(app.config, api_key_scope)
     receipts.apply_defaults(app.config)
-    if app.config.get("IDEMPOTENCY_DATABASE_URL") is None and not app.config.get(
-        "IDEMPOTENCY_POOL"
-    ):
+    if app.config.get("IDEMPOTENCY_DATABASE_URL") is None:
         app.config["IDEMPOTENCY_DATABASE_URL"] = embedded_database_url(app.instance_path)
 
     app.extensions[charges.PROCESSOR_CLIENT_KEY] = _processor_client(app.config, timeout)

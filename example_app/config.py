@@ -67,7 +67,7 @@ def apply_defaults(config: MutableMapping[str, Any], scope_func: Any) -> None:
     config.setdefault("IDEMPOTENCY_AUTO_MIGRATE", True)
     if config.get("IDEMPOTENCY_REDIS_URL") is None and config.get("IDEMPOTENCY_REDIS") is None:
         config["IDEMPOTENCY_REDIS_URL"] = config.get("REDIS_URL") or None
-    if config.get("IDEMPOTENCY_DATABASE_URL") is None and config.get("IDEMPOTENCY_POOL") is None:
+    if config.get("IDEMPOTENCY_DATABASE_URL") is None:
         config["IDEMPOTENCY_DATABASE_URL"] = config.get("DATABASE_URL") or None
 
 

@@ -110,7 +110,7 @@ class Idempotency:
         settings = settings_from_config(
             app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
         )
-        pool = sessions = None
+        sessions = None
         if not joins and "sqlalchemy" in app.extensions:
             log.warning(
                 "idempotency: this app uses Flask-SQLAlchemy, but the extension was not "
@@ -120,12 +120,14 @@ class Idempotency:
         if joins:
             from . import sqlalchemy_session  # SQLAlchemy is imported only by its users
 
-            pool, sessions = sqlalchemy_session.from_app(app, db, engine, session)
+            engine, session = sqlalchemy_session.from_app(app, db, engine, session)
         store: PostgresStore | MemoryStore
         if is_memory_url(settings.database_url):
             store = MemoryStore()
         else:
-            store = PostgresStore.from_settings(settings, pool)
+            store = PostgresStore.from_settings(settings, engine)
+            if session is not None:
+                sessions = sqlalchemy_session.SessionJoin(session, store.pool)
         state = AppState(
             settings=settings,
             store=store,

@@ -36,12 +36,11 @@ ShouldStore = Callable[[int], bool]
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    #: ``IDEMPOTENCY_DATABASE_URL``: libpq DSN or URL. Either this or ``POOL``. ``"memory://"``
+    #: ``IDEMPOTENCY_DATABASE_URL``: libpq DSN or URL (or pass ``db=`` / ``engine=`` to
+    #: ``Idempotency``, and the records live in that engine's database). ``"memory://"``
     #: keeps the records in this process's memory instead: for unit tests and local
     #: development, never production (one process only; see the testing page).
     database_url: str | None = None
-    #: ``IDEMPOTENCY_POOL``: an existing ``psycopg2.pool.AbstractConnectionPool`` to borrow from.
-    pool: Any = None
     #: ``IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]``: connections per process; each in-flight
     #: request holds one.
     pool_size: int = 10
@@ -92,13 +91,6 @@ class Settings:
     #: a claim lost in a database crash only re-opens a key whose holder's
     #: connection died with the crash, and whose completion therefore fails.
     async_claim_commit: bool = True
-    #: ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]``: prepare the claim and the completion
-    #: once per connection (halves the claim's PostgreSQL CPU). Turn off behind PgBouncer in
-    #: transaction mode,
-    #: which does not keep a session's prepared statements. On psycopg 3 connections that
-    #: prepare queries on their own (``prepare_threshold``) only the claim is: psycopg
-    #: deallocates every statement of the session after a ``ROLLBACK``.
-    prepare_statements: bool = True
     #: ``IDEMPOTENCY_MIGRATION_DIRS``: extra directories of ``NNNN_name.sql`` files
     #: applied by ``flask idempotency migrate`` after the extension's own schema.
     migration_dirs: tuple[str, ...] = ()
@@ -225,7 +217,6 @@ _INT_FIELDS = {
 _BOOL_FIELDS = {
     "async_claim_commit",
     "auto_migrate",
-    "prepare_statements",
     "expose_headers",
     "testing_drills",
 }
@@ -296,7 +287,6 @@ OPTION_GROUPS: dict[str, dict[str, str]] = {
         "connect_timeout": "connect_timeout",
         "statement_timeout": "statement_timeout",
         "lock_timeout": "lock_timeout",
-        "prepare_statements": "prepare_statements",
         "async_claim_commit": "async_claim_commit",
         "breaker_threshold": "store_breaker_threshold",
         "breaker_cooldown": "store_breaker_cooldown",
@@ -375,9 +365,34 @@ def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
+#: Settings that went in 0.3.0 -> what to do instead.
+REMOVED = {
+    "POOL": "pass engine= (a SQLAlchemy Engine; its pool is the one pool) to Idempotency",
+}
+#: ``IDEMPOTENCY_DATABASE_OPTIONS`` keys that went in 0.3.0 -> why.
+REMOVED_DATABASE_OPTIONS = {
+    "prepare_statements": "the extension no longer prepares statements; remove it",
+}
+
+
+def _refuse_removed(config: Mapping[str, Any]) -> None:
+    """A removed setting fails at ``init_app`` naming what replaces it."""
+    for name, instead in REMOVED.items():
+        if name in config or name.lower() in config:
+            raise ValueError(f"IDEMPOTENCY_{name} was removed in 0.3.0: {instead}")
+    options = config.get("DATABASE_OPTIONS", config.get("database_options"))
+    if isinstance(options, Mapping):
+        for option, instead in REMOVED_DATABASE_OPTIONS.items():
+            if option in options:
+                raise ValueError(
+                    f'IDEMPOTENCY_DATABASE_OPTIONS["{option}"] was removed in 0.3.0: {instead}'
+                )
+
+
 def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = False) -> Settings:
     """Build :class:`Settings` from a config namespace (``IDEMPOTENCY_`` prefix stripped);
     ``engine_given``: the app gave its SQLAlchemy database (``db=``), so no DSN."""
+    _refuse_removed(config)
     fields = {f.name for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
     for name, value in _ungroup(config).items():
@@ -415,10 +430,10 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
             del values[name]
     settings = Settings(**values)
     if engine_given:
-        if settings.database_url is not None or settings.pool is not None:
+        if settings.database_url is not None:
             raise ValueError(
                 "With db= (or engine=) the extension uses that engine's database: "
-                "remove IDEMPOTENCY_DATABASE_URL / IDEMPOTENCY_POOL"
+                "remove IDEMPOTENCY_DATABASE_URL"
             )
         validate(dataclasses.replace(settings, database_url="(db's engine)"))
     else:
@@ -427,8 +442,11 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
 
 
 def validate(settings: Settings) -> None:
-    if settings.database_url is None and settings.pool is None:
-        raise ValueError("Set IDEMPOTENCY_DATABASE_URL or IDEMPOTENCY_POOL")
+    if settings.database_url is None:
+        raise ValueError(
+            "Set IDEMPOTENCY_DATABASE_URL, or pass db= (Flask-SQLAlchemy) or engine= "
+            "(a SQLAlchemy Engine) to Idempotency"
+        )
     if not settings.key_header or not settings.key_header.isascii():
         raise ValueError("IDEMPOTENCY_KEY_HEADER must be a non-empty ASCII header name")
     if settings.ttl <= 0:

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from . import driver
-from .base import RecordInfo, StoreUnavailableError, Taken
+from .base import RecordInfo, Taken
 from .driver import Driver
 from .pool import Connection
+from .runner import watched
 from .sql import (
     ATTEMPTS_SO_FAR,
     BUMP_RECOVERY_TOTAL,
@@ -39,7 +39,6 @@ from .sql import (
     headers_from_json,
     new_token,
 )
-from .watchdog import WATCHDOG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +64,10 @@ class Maintenance:
         """``sql`` as one implicit transaction, under the store's timeouts (sent in
         the same round trip) and the watchdog's deadline."""
         with self.autocommit() as conn:
-            ticket = WATCHDOG.watch(conn, self.deadline)
-            try:
-                with self.driver.cursor(conn) as cur:
-                    self.driver.execute(cur, self.timeouts + sql, params)
-                    rows = cur.fetchall() if cur.description is not None else []
-                    ran = Ran(cur.rowcount, rows)
-            finally:
-                fired = WATCHDOG.unwatch(ticket)
-            if fired:  # answered just as the socket was shut down: not to be trusted
-                conn.close()
-                raise StoreUnavailableError("no answer from PostgreSQL before the deadline")
-            return ran
+            with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
+                self.driver.execute(cur, self.timeouts + sql, params)
+                rows = cur.fetchall() if cur.description is not None else []
+                return Ran(cur.rowcount, rows)
 
     def count_expired(self) -> int:
         return int(self._run(COUNT_EXPIRED).rows[0][0])
@@ -161,27 +152,15 @@ class Maintenance:
         """ "Nothing happened": delete the record (or, with committed recovery points,
         give it back to its client) and count the release; False if no longer ours."""
         statement = RELEASE_TO_CLIENT if keep_phases else RELEASE
-        with self.autocommit() as conn:
-            ticket = WATCHDOG.watch(conn, self.deadline)
-            try:
-                with self.driver.cursor(conn) as cur:
-                    sql = "BEGIN;\n" + self.timeouts + statement
-                    self.driver.execute(cur, sql, (record_key, token))
-                    released: bool = cur.rowcount == 1
-                    if released:
-                        cur.execute(BUMP_RECOVERY_TOTAL, ("released",))
-                    cur.execute("COMMIT")
-            except BaseException:
-                if not conn.closed:
-                    try:
-                        with conn.cursor() as cur:
-                            cur.execute("ROLLBACK")
-                    except driver.ERRORS:
-                        conn.close()
-                raise
-            finally:
-                if WATCHDOG.unwatch(ticket):
-                    conn.close()
+        with self.autocommit() as conn, watched(conn, self.deadline):
+            # (A failure leaves the transaction open: the pool rolls it back.)
+            with self.driver.cursor(conn) as cur:
+                sql = "BEGIN;\n" + self.timeouts + statement
+                self.driver.execute(cur, sql, (record_key, token))
+                released: bool = cur.rowcount == 1
+                if released:
+                    cur.execute(BUMP_RECOVERY_TOTAL, ("released",))
+                cur.execute("COMMIT")
         return released
 
     def recovery_stats(self) -> dict[str, float]:

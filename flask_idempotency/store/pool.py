@@ -1,15 +1,27 @@
-"""A small blocking, fork-aware psycopg2 connection pool.
+"""The store's one pool: a SQLAlchemy engine's, lent a connection at a time.
 
-psycopg2's own pools raise at once when exhausted and know nothing of fork;
-under gunicorn a connection inherited from the master must never be used by a
-worker (two processes on one socket corrupt the protocol). This pool waits up
-to a timeout for a free connection, notices a fork by PID and starts afresh,
-and drops connections that come back broken.
+Every connection the extension uses comes from a SQLAlchemy ``Engine``: the
+application's (``Idempotency(app, db=db)`` or ``engine=``) or one the extension
+builds from ``IDEMPOTENCY_DATABASE_URL``. SQLAlchemy's ``QueuePool`` does the
+waiting, the sizing, the reset on return and the invalidation of broken
+connections; nothing here re-implements any of it.
 
-Each pool also gives the lease keeper a connection of its own
-(``renewal_connection()``), never one of the request slots: renewals must go on
-while every slot is held by a slow view, or leases would lapse under live
-requests and a duplicate on another worker would take their keys over.
+A request's connection is an ordinary ``engine.connect()`` in the documented
+``AUTOCOMMIT`` isolation level, so the extension's own statements (the claim,
+the completion with its ``COMMIT``) are one round trip each; SQLAlchemy puts the
+level back when the connection returns to the pool. The request's
+``db.session`` joins that same ``Connection`` (``sqlalchemy_session.py``).
+
+Fork safety is SQLAlchemy's documented recipe ("Using Connection Pools with
+Multiprocessing or os.fork()"): each pooled connection remembers the process
+that opened it, and a checkout in another process discards it instead of
+sharing a socket with the parent. A process-id check needs no at-fork hook, so
+it holds under uWSGI as under gunicorn.
+
+The lease keeper renews on a connection of its own, from a one-connection copy
+of the engine's pool (``Pool.recreate()``: the same creator and events), so it
+never takes one of the application's connections and never waits behind
+requests.
 """
 
 from __future__ import annotations
@@ -20,31 +32,36 @@ import math
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn
 
 import psycopg2
 import psycopg2.extensions
-import psycopg2.pool
+import sqlalchemy
+import sqlalchemy.exc
+from sqlalchemy import event
+from sqlalchemy.engine import Connection as SAConnection
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
 
 from ..observer import Observer
 from . import driver
 from .base import BreakerOpenError, StoreUnavailableError
-from .driver import PSYCOPG2, Driver
+from .driver import Driver, for_dialect
 from .errors import connect_failure, is_unreachable
 
-Connection = psycopg2.extensions.connection
+#: A DBAPI connection (psycopg2's or psycopg 3's), as the store's statements use it.
+Connection = Any
 
 log = logging.getLogger("flask_idempotency.store")
 
-#: Connection parameters added by default (those given in
-#: ``IDEMPOTENCY_DATABASE_OPTIONS`` override each): a peer that vanished is
-#: noticed by TCP within seconds, even while a view's own long statement waits
-#: for its answer. Keepalive probes start after 5 s of silence, every 5 s, 3
-#: unanswered probes close the connection; data left unacknowledged for 10 s
-#: closes it too (``tcp_user_timeout``, libpq 12+).
+#: Connection parameters added by default to an engine the extension builds (those
+#: given in ``IDEMPOTENCY_DATABASE_OPTIONS`` override each): a peer that vanished is
+#: noticed by TCP within seconds, even while a view's own long statement waits for
+#: its answer. Keepalive probes start after 5 s of silence, every 5 s, 3 unanswered
+#: probes close the connection; data left unacknowledged for 10 s closes it too
+#: (``tcp_user_timeout``, libpq 12+).
 TCP_DEFAULTS: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 5,
@@ -54,198 +71,234 @@ TCP_DEFAULTS: dict[str, Any] = {
 if psycopg2.extensions.libpq_version() >= 120000:
     TCP_DEFAULTS["tcp_user_timeout"] = 10_000  # milliseconds
 
+#: ``connection_record.info`` key of the process that opened a pooled connection.
+_PID = "flask_idempotency.pid"
 
-#: How often a request waiting for a connection looks whether it should give up.
-WAIT_SLICE = 0.05
+
+def build_engine(
+    dsn: str,
+    *,
+    pool_size: int,
+    pool_timeout: float,
+    connect_timeout: float,
+    connect_kwargs: dict[str, Any],
+) -> Engine:
+    """The engine for ``IDEMPOTENCY_DATABASE_URL``: psycopg2, ``pool_size`` connections
+    per process and no overflow. The DSN (a URL or ``key=value`` pairs, several
+    hosts, ``target_session_attrs``...) is read by libpq's own parser
+    (``psycopg2.extensions.parse_dsn``) into connection parameters, so it means
+    exactly what it means to ``psycopg2.connect``."""
+    parameters = {
+        **psycopg2.extensions.parse_dsn(dsn),
+        "connect_timeout": max(1, round(connect_timeout)),
+        **TCP_DEFAULTS,
+        **connect_kwargs,
+    }
+    return sqlalchemy.create_engine(
+        "postgresql+psycopg2://",
+        connect_args=parameters,
+        pool_size=pool_size,
+        max_overflow=0,
+        pool_timeout=pool_timeout,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Checkout:
-    """A request's terms for getting a connection: no later than ``until`` (on the
-    monotonic clock; ``None``: the pool's own timeout), and not at all once
-    ``abandoned()`` says so (the store's circuit breaker opened meanwhile), so a
-    request never answers after several deadlines because it queued behind
-    requests stuck on a server that stopped answering."""
+    """A request's terms for getting a connection: a connect it needs ends by
+    ``until`` (monotonic clock), and none is made once ``abandoned()`` says so (the
+    store's breaker opened while the request waited): a request never answers after
+    several deadlines because it queued behind requests stuck on a frozen server."""
 
-    until: float | None
+    until: float
     abandoned: Callable[[], bool]
 
-    def remaining(self) -> float | None:
-        return None if self.until is None else self.until - time.monotonic()
 
-
+#: The checkout this thread is making, if any (``_bound_connect`` reads it).
+_CHECKOUT = threading.local()
 #: libpq's shortest connect timeout, seconds: it reads 1 as 2.
 MIN_CONNECT_TIMEOUT = 2
-
-#: A pool gave up on a checkout because the breaker opened.
+#: A checkout given up because the breaker opened while it waited.
 ABANDONED = "PostgreSQL is not answering (store circuit breaker opened while waiting)"
 
 
-class NoAnswerError(StoreUnavailableError):
-    """A connect had no answer before the checkout's deadline (the store's breaker
-    counts it as PostgreSQL not answering)."""
-
-
-def connect_timeout(checkout: Checkout | None, configured: Any) -> int | None:
-    """libpq's connect timeout for a checkout, seconds: ``configured`` cut to what is
-    left of the checkout's time (whole seconds, at least libpq's 2); ``None`` when
-    there is nothing to cut (keep ``configured``). It only bounds how long a connect
-    the request gave up on goes on in the background (``connect_within``)."""
-    remaining = checkout.remaining() if checkout is not None else None
-    if remaining is None:
-        return None
-    if remaining <= 0:
-        raise StoreUnavailableError("no time left to connect before the deadline")
+def _bound_connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+    """``do_connect``: a connect for one of the store's checkouts ends by the
+    checkout's deadline (an application's engine may have no ``connect_timeout``,
+    and behind a frozen server, whose kernel still accepts TCP, it would wait for
+    ever); the application's own connects keep their parameters."""
+    terms: Checkout | None = getattr(_CHECKOUT, "terms", None)
+    if terms is None:
+        return
+    if terms.abandoned():
+        raise BreakerOpenError(ABANDONED)
+    left = math.ceil(terms.until - time.monotonic())
     try:
-        limit = float(configured) if configured is not None else math.inf
+        given = float(cparams.get("connect_timeout") or 0)
     except (TypeError, ValueError):
-        limit = math.inf
-    if limit <= 0:  # 0: libpq waits for ever
-        limit = math.inf
-    return max(MIN_CONNECT_TIMEOUT, math.ceil(min(limit, remaining)))
+        given = 0
+    limit = max(MIN_CONNECT_TIMEOUT, left)
+    if given <= 0 or given > limit:
+        cparams["connect_timeout"] = limit
 
 
-T = TypeVar("T")
+def guard_forks(engine: Engine) -> None:
+    """SQLAlchemy's documented fork recipe on ``engine``'s pool, once per engine: a
+    connection opened by another process is discarded at checkout, never used."""
+    if event.contains(engine, "checkout", _refuse_other_pid):
+        return
+    event.listen(engine, "connect", _remember_pid)
+    event.listen(engine, "checkout", _refuse_other_pid)
+    event.listen(engine, "do_connect", _bound_connect)
 
 
-def connect_within(
-    connect: Callable[[], T], checkout: Checkout | None, discard: Callable[[T], None]
-) -> T:
-    """``connect()``, which the request can give up on: at the checkout's deadline
-    (``NoAnswerError``) or when the breaker opens (``StoreUnavailableError``).
-
-    A blocking connect cannot be interrupted, and behind a frozen server (its
-    kernel still accepts the TCP connection) it waits out libpq's whole connect
-    timeout, at least 2 s, whatever is left of the request's deadline. So it runs
-    in a thread of its own; a request that gives up answers at once, and a
-    connection that arrives after that is handed to ``discard``.
-    """
-    if checkout is None:
-        return connect()
-    outcome: list[Any] = []
-    lock = threading.Lock()
-    done = threading.Event()
-    gave_up = False
-
-    def run() -> None:
-        try:
-            outcome.append((True, connect()))
-        except BaseException as exc:  # handed to the request, or dropped with it
-            outcome.append((False, exc))
-        with lock:
-            done.set()
-            late = gave_up
-        ok, value = outcome[0]
-        if late and ok:
-            discard(value)
-
-    threading.Thread(target=run, name="idempotency-connect", daemon=True).start()
-    while not done.wait(WAIT_SLICE):
-        remaining = checkout.remaining()
-        abandoned = checkout.abandoned()
-        if abandoned or (remaining is not None and remaining <= 0):
-            with lock:
-                if not done.is_set():
-                    gave_up = True
-                    if abandoned:
-                        raise BreakerOpenError(ABANDONED)
-                    raise NoAnswerError("no answer to the connect before the deadline")
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    connection: T = value
-    return connection
+def _remember_pid(dbapi_connection: Any, connection_record: Any) -> None:
+    connection_record.info[_PID] = os.getpid()
 
 
-class Slots:
-    """A count of connections requests may hold: ``threading.BoundedSemaphore``'s
-    ``acquire`` and ``release``, with the uncontended take and give-back one C lock
-    each (the standard library's is Python over a ``Condition``: every request
-    pays for it twice). A waiter waits on a condition of that same lock."""
-
-    __slots__ = ("_lock", "_freed", "_free", "_capacity", "_waiters")
-
-    def __init__(self, capacity: int) -> None:
-        self._lock = threading.Lock()
-        self._freed = threading.Condition(self._lock)
-        self._free = self._capacity = capacity
-        self._waiters = 0
-
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
-        with self._lock:
-            if self._free > 0:
-                self._free -= 1
-                return True
-            if not blocking:
-                return False
-            end = None if timeout is None else time.monotonic() + timeout
-            self._waiters += 1
-            try:
-                while self._free <= 0:
-                    left = None if end is None else end - time.monotonic()
-                    if left is not None and left <= 0:
-                        return False
-                    self._freed.wait(left)
-            finally:
-                self._waiters -= 1
-            self._free -= 1
-            return True
-
-    def release(self) -> None:
-        with self._lock:
-            if self._free >= self._capacity:
-                raise ValueError("a connection slot was given back more often than taken")
-            self._free += 1
-            if self._waiters:
-                self._freed.notify()
+def _refuse_other_pid(dbapi_connection: Any, connection_record: Any, proxy: Any) -> None:
+    pid = os.getpid()
+    opened_by = connection_record.info.get(_PID, pid)
+    if opened_by != pid:
+        # Not closed: closing would end the parent's session on the shared socket.
+        connection_record.dbapi_connection = proxy.dbapi_connection = None
+        raise sqlalchemy.exc.DisconnectionError(
+            f"connection opened by process {opened_by}, checked out in {pid}"
+        )
 
 
-def wait_for_slot(slots: Slots, timeout: float, checkout: Checkout | None) -> bool:
-    """Take one of ``slots`` within ``timeout`` seconds (less if ``checkout`` ends
-    sooner); False if none came free or the checkout was abandoned meanwhile."""
-    if checkout is None:
-        return slots.acquire(timeout=timeout)
-    remaining = checkout.remaining()
-    end = time.monotonic() + (timeout if remaining is None else min(timeout, remaining))
-    while True:
-        left = end - time.monotonic()
-        if left <= 0 or checkout.abandoned():
-            return False
-        if slots.acquire(timeout=min(left, WAIT_SLICE)):
-            return True
+def _unavailable(exc: BaseException) -> NoReturn:
+    """Raise a checkout's failure as the store's error, with the driver's own error
+    (which the breaker classifies) as its cause."""
+    if isinstance(exc, sqlalchemy.exc.TimeoutError):
+        raise StoreUnavailableError(f"no free database connection in the pool: {exc}") from exc
+    cause = getattr(exc, "orig", None) or exc
+    raise StoreUnavailableError(
+        f"cannot connect to PostgreSQL: {connect_failure(cause)}"
+    ) from cause
 
 
-class Pool:
-    """What both pools share: a connection borrowed for a ``with`` block."""
+class EnginePool:
+    """Lends ``engine``'s connections to the store, in autocommit mode."""
 
-    #: Told about checkouts, waits and timeouts once the app is observed
+    #: Told about checkouts and timeouts once the app is observed
     #: (``observability.attach``); ``None`` costs one attribute read per call.
     observer: Observer | None = None
-    #: The DBAPI driver of the connections this pool lends.
-    driver: Driver = PSYCOPG2
 
-    def getconn(self, checkout: Checkout | None = None) -> Connection:
-        """A connection, waiting (if the pool waits at all) within ``checkout``'s terms."""
-        raise NotImplementedError
+    def __init__(self, engine: Engine, *, owned: bool = False) -> None:
+        if engine.dialect.name != "postgresql":
+            raise ValueError(
+                f"flask_idempotency needs PostgreSQL; the engine is {engine.dialect.name}"
+            )
+        self.engine = engine
+        #: The extension built the engine (and disposes of it on ``close()``).
+        self.owned = owned
+        #: How the engine's DBAPI connections take the store's statements.
+        self.driver: Driver = for_dialect(engine.dialect.driver)
+        #: DBAPI connection -> the SQLAlchemy connection it was lent with.
+        self._lent: dict[Any, SAConnection] = {}
+        self._lock = threading.Lock()
+        self._keeper: Any = None
+        self._keeper_pool: Any = None
+        self._keeper_pid = -1
+        self._keeper_lock = threading.Lock()
+        self._warned_wait = False
+        guard_forks(engine)
+
+    # -- request connections ---------------------------------------------------
+
+    def getconn(self, terms: Checkout | None = None) -> Connection:
+        """One of the engine's connections, in autocommit mode, within ``terms``;
+        ``StoreUnavailableError`` when none comes free within the pool's timeout or
+        the connect fails, ``BreakerOpenError`` when the breaker opened meanwhile."""
+        observer = self.observer
+        waiting = self._must_wait() and observer is not None
+        if waiting:
+            observer.pool_waiting(1)  # type: ignore[union-attr]
+        _CHECKOUT.terms = terms
+        try:
+            connection = self.engine.connect()
+        except sqlalchemy.exc.TimeoutError as exc:
+            if self.observer is not None:
+                self.observer.pool_timeout()
+            _unavailable(exc)
+        except BreakerOpenError:
+            raise
+        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
+            if isinstance(getattr(exc, "orig", None), BreakerOpenError):
+                raise BreakerOpenError(ABANDONED) from exc
+            _unavailable(exc)
+        finally:
+            _CHECKOUT.terms = None
+            if waiting:
+                observer.pool_waiting(-1)  # type: ignore[union-attr]
+        if terms is not None and terms.abandoned():
+            connection.close()
+            raise BreakerOpenError(ABANDONED)
+        try:
+            connection.execution_options(isolation_level="AUTOCOMMIT")
+            raw = connection.connection.driver_connection
+        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
+            connection.invalidate()
+            connection.close()
+            raise StoreUnavailableError(
+                f"unusable pooled connection: {type(exc).__name__}"
+            ) from exc
+        with self._lock:
+            self._lent[raw] = connection
+        if self.observer is not None:
+            self.observer.pool_checkout()
+        return raw
+
+    def _must_wait(self) -> bool:
+        """Whether a checkout now waits for one of the pool's connections (every one
+        is lent), which says the pool is smaller than the worker's threads: warned
+        about once per process."""
+        pool: Any = self.engine.pool
+        counts = ("checkedin", "checkedout", "size")
+        if not all(callable(getattr(pool, name, None)) for name in counts):
+            return False
+        if pool.checkedin() > 0 or pool.checkedout() < pool.size():
+            return False
+        if not self._warned_wait:
+            self._warned_wait = True
+            size, setting = self.capacity() or (pool.size(), "pool_size")
+            log.warning(
+                "idempotency: a request waited for a database connection: all %d of %s "
+                "are in use. Each in-flight idempotent request holds one until it "
+                "completes; size the pool to at least the worker's threads (requests "
+                "answer 503 after its pool_timeout). Logged once per process.",
+                size,
+                setting,
+            )
+        return True
+
+    def sqlalchemy_connection(self, raw: Connection) -> SAConnection:
+        """The SQLAlchemy connection ``raw`` was lent with (what a session joins)."""
+        with self._lock:
+            return self._lent[raw]
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
-        raise NotImplementedError
-
-    def discard_idle(self) -> None:
-        """Close the idle connections (after an outage they are as dead as ours was)."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def renewal_connection(self) -> Connection:
-        """The lease keeper's own autocommit connection, outside the request slots;
-        the same one on every call until ``discard_renewal_connection()``."""
-        raise NotImplementedError
-
-    def discard_renewal_connection(self) -> None:
-        """Drop the keeper's connection after it failed; the next call makes another."""
-        raise NotImplementedError
+        """Back to the engine: rolled back if a transaction is open, invalidated if it
+        broke (SQLAlchemy then replaces it), its isolation level restored by SQLAlchemy."""
+        with self._lock:
+            connection = self._lent.pop(conn)
+        try:
+            if not discard and not conn.closed:
+                try:
+                    if self.driver.in_transaction(conn):
+                        with self.driver.cursor(conn) as cur:
+                            cur.execute("ROLLBACK")
+                except driver.ERRORS:
+                    discard = True
+            if discard or conn.closed:
+                connection.invalidate()
+            connection.close()
+        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
+            log.debug("idempotency: connection not returned cleanly: %s", type(exc).__name__)
+        finally:
+            if self.observer is not None:
+                self.observer.pool_checkin()
 
     @contextmanager
     def connection(self, *, discard: bool = False) -> Iterator[Connection]:
@@ -260,301 +313,65 @@ class Pool:
         finally:
             self.putconn(conn, discard=broken)
 
+    def discard_idle(self) -> None:
+        """After an outage the idle connections are as dead as the one that failed:
+        the engine starts a new pool (``Engine.dispose()``); connections still lent
+        go back to the old one, which wakes any request waiting there."""
+        self.engine.dispose()
+
     def capacity(self) -> tuple[int, str] | None:
         """How many requests can hold a connection at once, and the setting that
-        decides it; ``None`` when the pool cannot tell."""
-        return None
-
-
-class ConnectionPool(Pool):
-    """Connections to one DSN; at most ``max_size`` open per process."""
-
-    def __init__(
-        self,
-        dsn: str,
-        *,
-        max_size: int = 10,
-        timeout: float = 5.0,
-        connect_timeout: int = 3,
-        connect_kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        self._dsn = dsn
-        self._max_size = max_size
-        self._timeout = timeout
-        self._connect_kwargs = {
-            "connect_timeout": connect_timeout,
-            **TCP_DEFAULTS,
-            **(connect_kwargs or {}),
-        }
-        self._reset()
-
-    @property
-    def max_size(self) -> int:
-        return self._max_size
-
-    def capacity(self) -> tuple[int, str] | None:
-        return self._max_size, 'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]'
-
-    def _reset(self) -> None:
-        # After a fork the inherited idle connections are forgotten, not closed:
-        # closing would send a Terminate message on the parent's socket.
-        self._pid = os.getpid()
-        self._idle: deque[Connection] = deque()
-        self._slots = Slots(self._max_size)
-        self._lock = threading.Lock()
-        self._renewal: Connection | None = None
-        self._renewal_lock = threading.Lock()
-        self._warned_wait = False
-
-    def _check_fork(self) -> None:
-        if self._pid != os.getpid():
-            self._reset()
-
-    def getconn(self, checkout: Checkout | None = None) -> Connection:
-        self._check_fork()
-        observer = self.observer
-        if not self._slots.acquire(blocking=False):
-            self._warn_wait()
-            if not self._wait_for_slot(observer, checkout):
-                if checkout is not None and checkout.abandoned():
-                    raise BreakerOpenError(ABANDONED)
-                if observer is not None:
-                    observer.pool_timeout()
-                raise StoreUnavailableError("no free database connection in the pool")
-        try:
-            if checkout is not None and checkout.abandoned():
-                raise BreakerOpenError(ABANDONED)
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            if conn is None or conn.closed:
-                args = self._connect_args(checkout)
-                conn = connect_within(
-                    lambda: psycopg2.connect(self._dsn, **args), checkout, self._keep_idle
-                )
-            conn.autocommit = True
-            if observer is not None:
-                observer.pool_checkout()
-            return conn
-        except psycopg2.Error as exc:
-            self._slots.release()
-            raise StoreUnavailableError(
-                f"cannot connect to PostgreSQL: {connect_failure(exc)}"
-            ) from exc
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def _wait_for_slot(self, observer: Observer | None, checkout: Checkout | None) -> bool:
-        if observer is None:
-            return wait_for_slot(self._slots, self._timeout, checkout)
-        observer.pool_waiting(1)
-        try:
-            return wait_for_slot(self._slots, self._timeout, checkout)
-        finally:
-            observer.pool_waiting(-1)
-
-    def _keep_idle(self, conn: Connection) -> None:
-        """A connection whose request gave up on it while it was made: kept for the next."""
-        if self._pid != os.getpid():
-            _close_quietly(conn)
-            return
-        conn.autocommit = True
-        with self._lock:
-            self._idle.append(conn)
-
-    def _connect_args(self, checkout: Checkout | None) -> dict[str, Any]:
-        """The connection parameters, the connect timeout cut to the checkout's time."""
-        seconds = connect_timeout(checkout, self._connect_kwargs.get("connect_timeout"))
-        if seconds is None:
-            return self._connect_kwargs
-        return {**self._connect_kwargs, "connect_timeout": seconds}
-
-    def _warn_wait(self) -> None:
-        if self._warned_wait:
-            return
-        self._warned_wait = True
-        log.warning(
-            "idempotency: a request waited for a database connection: all %d of "
-            'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"] are in use. Each in-flight idempotent '
-            "request holds one until it completes; size the pool to at least the worker's "
-            "threads (requests answer 503 after its pool_timeout). Logged once per process.",
-            self._max_size,
-        )
-
-    def renewal_connection(self) -> Connection:
-        self._check_fork()
-        with self._renewal_lock:
-            conn = self._renewal
-            if conn is None or conn.closed:
-                try:
-                    conn = psycopg2.connect(self._dsn, **self._connect_kwargs)
-                except psycopg2.Error as exc:
-                    raise StoreUnavailableError(
-                        f"cannot connect to PostgreSQL: {connect_failure(exc)}"
-                    ) from exc
-                conn.autocommit = True
-                self._renewal = conn
-            return conn
-
-    def discard_renewal_connection(self) -> None:
-        self._check_fork()
-        with self._renewal_lock:
-            conn, self._renewal = self._renewal, None
-        if conn is not None:
-            _close_quietly(conn)
-
-    def putconn(self, conn: Connection, *, discard: bool = False) -> None:
-        if self._pid != os.getpid():
-            return  # borrowed before a fork; the slot belongs to the old pool
-        try:
-            if not discard and not conn.closed:
-                if self.driver.in_transaction(conn):
-                    conn.rollback() if not conn.autocommit else _rollback_raw(conn)
-                with self._lock:
-                    self._idle.append(conn)
-                return
-        except psycopg2.Error:
-            pass
-        finally:
-            self._slots.release()
-            if self.observer is not None:
-                self.observer.pool_checkin()
-        _close_quietly(conn)
-
-    def discard_idle(self) -> None:
-        """Close idle connections: called after an error that suggests a server restart,
-        so the next request reconnects instead of failing on another stale socket."""
-        self._check_fork()
-        with self._lock:
-            idle, self._idle = self._idle, deque()
-        for conn in idle:
-            _close_quietly(conn)
-
-    def close(self) -> None:
-        self.discard_idle()
-        self.discard_renewal_connection()
-
-
-class BorrowedPool(Pool):
-    """Adapts an application's own ``psycopg2.pool`` to the interface above.
-
-    Connections go back exactly as they were lent: the extension works in
-    autocommit mode and restores the connection's own ``autocommit`` flag (its
-    ``SET LOCAL`` settings end with their transactions). The one trace it leaves
-    is the prepared claim, ``idempotency_claim``, when
-    ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]`` is on; an application that runs
-    ``DEALLOCATE ALL`` or ``DISCARD ALL`` is fine, the claim is prepared again.
-
-    The lease keeper keeps one connection of the application's pool for itself
-    (taken when its thread starts, at the process's first claim; given back by
-    ``close()``), so give that pool one connection more: renewals must not
-    wait behind in-flight requests, and psycopg2's pools do not wait at all.
-    """
-
-    def __init__(self, pool: psycopg2.pool.AbstractConnectionPool) -> None:
-        self._pool = pool
-        #: Connections lent to the extension -> their own ``autocommit`` flag.
-        self._lent: dict[Connection, bool] = {}
-        self._renewal: Connection | None = None
-        self._renewal_pid = -1
-        self._renewal_lock = threading.Lock()
-
-    def capacity(self) -> tuple[int, str] | None:
-        maxconn = getattr(self._pool, "maxconn", None)
-        if not isinstance(maxconn, int):
+        decides it; ``None`` when the pool has no fixed size."""
+        pool: Any = self.engine.pool
+        if isinstance(pool, NullPool) or not callable(getattr(pool, "size", None)):
             return None
-        # The lease keeper keeps one of a borrowed pool's connections for itself.
-        return maxconn - 1, "the maxconn of IDEMPOTENCY_POOL (less one kept by the lease keeper)"
+        if self.owned:
+            return int(pool.size()), 'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]'
+        # (SQLAlchemy does not say a pool's max_overflow: its pool_size is the floor.)
+        return int(pool.size()), "the engine's pool_size (plus its max_overflow)"
 
-    def _borrow(self) -> Connection:
-        try:
-            conn: Connection = self._pool.getconn()
-        except psycopg2.Error as exc:
-            raise StoreUnavailableError(
-                f"cannot connect to PostgreSQL: {connect_failure(exc)}"
-            ) from exc
-        try:
-            self._lent[conn] = bool(conn.autocommit)
-            conn.autocommit = True
-        except psycopg2.Error as exc:
-            self._give_back(conn, discard=True)
-            raise StoreUnavailableError(
-                f"unusable pooled connection: {type(exc).__name__}"
-            ) from exc
-        return conn
-
-    def _give_back(self, conn: Connection, *, discard: bool) -> None:
-        autocommit = self._lent.pop(conn, None)
-        if not discard and not conn.closed:
-            try:
-                if self.driver.in_transaction(conn):
-                    _rollback_raw(conn)
-                if autocommit is not None:
-                    conn.autocommit = autocommit
-            except psycopg2.Error:
-                discard = True
-        self._pool.putconn(conn, close=discard or bool(conn.closed))
-
-    def getconn(self, checkout: Checkout | None = None) -> Connection:
-        """psycopg2's pools never wait, so ``checkout`` has nothing to bound."""
-        try:
-            conn = self._borrow()
-        except StoreUnavailableError as exc:
-            # psycopg2's pools do not wait: an exhausted one refuses at once.
-            if self.observer is not None and isinstance(exc.__cause__, psycopg2.pool.PoolError):
-                self.observer.pool_timeout()
-            raise
-        if self.observer is not None:
-            self.observer.pool_checkout()
-        return conn
-
-    def putconn(self, conn: Connection, *, discard: bool = False) -> None:
-        try:
-            self._give_back(conn, discard=discard)
-        finally:
-            if self.observer is not None:
-                self.observer.pool_checkin()
+    # -- the lease keeper's connection -------------------------------------------
 
     def renewal_connection(self) -> Connection:
-        with self._renewal_lock:
-            if self._renewal_pid != os.getpid():
-                self._renewal = None  # the parent's; its pool's copy is not ours to return
-                self._renewal_pid = os.getpid()
-            conn = self._renewal
-            if conn is not None and conn.closed:
-                self._give_back(conn, discard=True)
-                conn = self._renewal = None
-            if conn is None:
-                conn = self._renewal = self._borrow()
-            return conn
+        """The lease keeper's own autocommit connection, outside the request pool;
+        the same one on every call until ``discard_renewal_connection()``."""
+        with self._keeper_lock:
+            if self._keeper_pid != os.getpid():
+                # The parent's, after a fork: forgotten, not closed.
+                self._keeper = self._keeper_pool = None
+                self._keeper_pid = os.getpid()
+            if self._keeper is not None and self._keeper.driver_connection.closed:
+                self._drop_keeper()
+            if self._keeper is None:
+                if self._keeper_pool is None:
+                    self._keeper_pool = self.engine.pool.recreate()
+                try:
+                    proxy = self._keeper_pool.connect()
+                except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
+                    _unavailable(exc)
+                proxy.driver_connection.autocommit = True
+                self._keeper = proxy
+            return self._keeper.driver_connection
 
     def discard_renewal_connection(self) -> None:
-        with self._renewal_lock:
-            conn, self._renewal = self._renewal, None
-            if conn is not None and self._renewal_pid == os.getpid():
-                self._give_back(conn, discard=True)
+        with self._keeper_lock:
+            if self._keeper_pid == os.getpid():
+                self._drop_keeper()
 
-    def discard_idle(self) -> None:
-        """The borrowed pool's idle connections are the application's to manage."""
+    def _drop_keeper(self) -> None:
+        proxy, self._keeper = self._keeper, None
+        if proxy is not None:
+            proxy.invalidate()
+            proxy.close()
 
     def close(self) -> None:
-        """Give back the keeper's connection; the application owns the pool's lifetime."""
-        with self._renewal_lock:
-            conn, self._renewal = self._renewal, None
-            if conn is not None and self._renewal_pid == os.getpid():
-                try:
-                    self._give_back(conn, discard=bool(conn.closed))
-                except psycopg2.pool.PoolError:
-                    _close_quietly(conn)  # the application closed its pool first
-
-
-def _rollback_raw(conn: Connection) -> None:
-    with conn.cursor() as cur:
-        cur.execute("ROLLBACK")
-
-
-def _close_quietly(conn: Connection) -> None:
-    try:
-        conn.close()
-    except psycopg2.Error:
-        pass
+        """Close the keeper's connection and pool; the engine too when the extension
+        built it (an application's engine is the application's)."""
+        with self._keeper_lock:
+            if self._keeper_pid == os.getpid():
+                self._drop_keeper()
+                if self._keeper_pool is not None:
+                    self._keeper_pool.dispose()
+            self._keeper = self._keeper_pool = None
+        if self.owned:
+            self.engine.dispose()

@@ -8,6 +8,7 @@ the completer and the consumer guard all run these, under the store's
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,11 +17,6 @@ from typing import Any
 from .base import StoredResponse
 
 LEASE_LOST_SQLSTATE = "IK409"
-#: ``EXECUTE`` of a prepared statement the session no longer has (the application
-#: ran ``DEALLOCATE ALL`` or ``DISCARD ALL`` on a borrowed connection): prepare again.
-PREPARED_STATEMENT_MISSING = "26000"
-#: ``PREPARE`` of a name the session already has (prepared by another store).
-PREPARED_STATEMENT_EXISTS = "42P05"
 
 #: Seconds past the statement timeout after which the client stops waiting for any
 #: answer and shuts the connection down (see ``watchdog.py``).
@@ -40,28 +36,29 @@ CLIENT_DEADLINE_GRACE = 1.0
 #: claimer took it first: the second branch never answers from that stale read
 #: (it would replay an expired answer, or a 422, where the truth is a 409), so
 #: the statement runs again and sees the new holder.
-#: A route that declares ``recover=`` sends what recovery needs as $6 (NULL for
+#: A route that declares ``recover=`` sends what recovery needs (NULL for
 #: every other route), so it is written with the claim, in the same round trip.
 #: Taking over a dead holder of the same request keeps the recovery points it
 #: committed (the view resumes after them, and they come back in the claimed
 #: row); a claim of an expired record (a new request) drops them.
-#: Parameters: $1 record key, $2 fingerprint, $3 lock token, $4 lease, $5 TTL (s),
-#: $6 recovery payload or NULL (``recovery.py``).
-CLAIM_BODY = """
+#: Parameters: the record key, fingerprint, lock token, lease and TTL (seconds),
+#: and the recovery payload or NULL (``recovery.py``).
+CLAIM = """
 WITH existing AS (
     SELECT state, fingerprint, status_code, headers, body, lease_expires_at, expires_at
-      FROM idempotency_records WHERE record_key = $1
+      FROM idempotency_records WHERE record_key = %(key)s
 ), claimed AS (
     INSERT INTO idempotency_records AS r
         (record_key, fingerprint, state, lock_token, lease_expires_at, created_at, expires_at,
          recovery)
-    SELECT $1, $2, 'processing', $3, now() + make_interval(secs => $4), now(),
-           now() + make_interval(secs => $5), $6
+    SELECT %(key)s, %(fp)s, 'processing', %(token)s,
+           now() + make_interval(secs => %(lease)s), now(),
+           now() + make_interval(secs => %(ttl)s), %(recovery)s
      WHERE NOT EXISTS (
             SELECT 1 FROM existing e
              WHERE e.expires_at > now()
                AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
-                        AND e.fingerprint = $2))
+                        AND e.fingerprint = %(fp)s))
     ON CONFLICT (record_key) DO UPDATE
        SET fingerprint = EXCLUDED.fingerprint, state = 'processing',
            lock_token = EXCLUDED.lock_token, lease_expires_at = EXCLUDED.lease_expires_at,
@@ -86,118 +83,13 @@ SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
  WHERE NOT EXISTS (SELECT 1 FROM claimed)
    AND e.expires_at > now()
    AND NOT coalesce(e.state = 'processing' AND e.lease_expires_at <= now()
-                    AND e.fingerprint = $2, false)
+                    AND e.fingerprint = %(fp)s, false)
 """
 
-_CLAIM_PARAMS = ("key", "fp", "token", "lease", "ttl", "recovery")
-
-#: The claim as a request runs it first: a key with no row (a first request,
-#: the common case) is taken with a plain ``INSERT``, and a key with one (a
-#: replay, a duplicate in flight) is answered from it, still one statement. It
-#: costs PostgreSQL about a seventh less than ``CLAIM_BODY``, whose reads and
-#: takeover branches are set up on every run, needed or not. When the key has a
-#: row the conflict is found before anything is inserted (no row lock, no WAL)
-#: and the second branch reads it; a row this claim could take over (expired,
-#: or a dead holder's of the same request), or none read (it vanished, or was
-#: committed after this statement's snapshot), leaves the decision to
-#: ``CLAIM_BODY``, run next. Same parameters; the columns are ``CLAIM_BODY``'s
-#: first eight.
-CLAIM_NEW_BODY = """
-WITH claimed AS (
-    INSERT INTO idempotency_records
-        (record_key, fingerprint, state, lock_token, lease_expires_at, created_at, expires_at,
-         recovery)
-    VALUES ($1, $2, 'processing', $3, now() + make_interval(secs => $4), now(),
-            now() + make_interval(secs => $5), $6)
-    ON CONFLICT (record_key) DO NOTHING
-    RETURNING true
-)
-SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb, NULL::bytea,
-       NULL::float8, NULL::float8
-  FROM claimed
-UNION ALL
-SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
-       extract(epoch FROM e.lease_expires_at - now())::float8,
-       extract(epoch FROM e.expires_at - now())::float8
-  FROM idempotency_records e
- WHERE e.record_key = $1 AND NOT EXISTS (SELECT 1 FROM claimed)
-"""
-
-#: Row mode's completion with fencing, as ``idempotency_complete`` (migration
-#: 0009) runs it, for connections that have it prepared: the function's
-#: call is parsed and planned on every request, and runs its own statement
-#: under settings it sets and resets; this one is planned once per connection.
-#: A record this holder no longer holds updates nothing, and then the function
-#: itself is called, whose ``UPDATE`` finds nothing either and raises ``IK409``
-#: (the transaction aborts, the ``COMMIT`` after it never runs): one refusal,
-#: written once, in the schema. Parameters: $1 record key, $2 lock token, $3
-#: status, $4 headers, $5 body. Keep the ``SET`` list the function's.
-#: It changes no column an index names (the record key, ``expires_at`` unless
-#: the view ran past a tenth of the TTL, ``recovery`` unless the route declares
-#: ``recover=``), so PostgreSQL updates the row on its page, writing no index
-#: entry: a HOT update (migration 0009).
-COMPLETE_BODY = """
-WITH completed AS (
-    UPDATE idempotency_records
-       SET state = 'completed', status_code = $3, headers = $4, body = $5,
-           completed_at = now(), lock_token = NULL, lease_expires_at = NULL,
-           expires_at = greatest(expires_at, now() + (expires_at - created_at) * 0.9),
-           recovery = NULL, phases = NULL
-     WHERE record_key = $1 AND lock_token = $2 AND state = 'processing'
-     RETURNING extract(epoch FROM expires_at - now()) AS remaining
-)
-SELECT coalesce((SELECT remaining FROM completed), idempotency_complete($1, $2, $3, $4, $5))
-"""
-
-#: Planning the claim costs about twice its execution, so each connection prepares
-#: it once; later claims send only ``EXECUTE``. Still one round trip either way.
-#: The first request's claim and the completion are prepared with it, in the
-#: same round trip, so a connection that ran a prepared claim has all three.
-PREPARE_CLAIM = (
-    "PREPARE idempotency_claim (bytea, bytea, bigint, float8, float8, bytea) AS"
-    + CLAIM_BODY
-    + ";\nPREPARE idempotency_claim_new (bytea, bytea, bigint, float8, float8, bytea) AS"
-    + CLAIM_NEW_BODY
-    + ";\nPREPARE idempotency_complete_record (bytea, bigint, smallint, jsonb, bytea) AS"
-    + COMPLETE_BODY
-    + ";\n"
-)
-#: A prepared statement's plan is cached for the connection's life. Left to
-#: itself PostgreSQL picks it from the table's size when it is first cached, and
-#: on an empty or tiny table (a fresh deployment, a table just purged) that is a
-#: sequential scan, which the connection would keep while the table grows. So
-#: the claim always gets one plan, built with sequential scans ruled out: the
-#: primary-key lookup at every size. ``SET LOCAL`` ends with the claim's own
-#: implicit transaction; the view's queries keep the session's settings.
-CLAIM_PLAN_SETTINGS = (
-    "SET LOCAL plan_cache_mode TO force_generic_plan;\nSET LOCAL enable_seqscan TO off;\n"
-)
-EXECUTE_CLAIM = (
-    CLAIM_PLAN_SETTINGS
-    + "EXECUTE idempotency_claim (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s, %(recovery)s)"
-)
-EXECUTE_CLAIM_NEW = (
-    CLAIM_PLAN_SETTINGS
-    + "EXECUTE idempotency_claim_new (%(key)s, %(fp)s, %(token)s, %(lease)s, %(ttl)s, %(recovery)s)"
-)
-EXECUTE_COMPLETE = CLAIM_PLAN_SETTINGS + "EXECUTE idempotency_complete_record (%s, %s, %s, %s, %s)"
-
-
-def _inline_parameters(sql: str) -> str:
-    """The claim with psycopg2 placeholders, for poolers that drop prepared statements."""
-    for number, name in reversed(list(enumerate(_CLAIM_PARAMS, start=1))):
-        sql = sql.replace(f"${number}", f"%({name})s")
-    return sql
-
-
-CLAIM = _inline_parameters(CLAIM_BODY)
-CLAIM_NEW = _inline_parameters(CLAIM_NEW_BODY)
-
-#: Prefix for the claim when ``async_claim_commit`` is on. Several statements in
-#: one simple query run as one implicit transaction, so SET LOCAL covers the claim
-#: alone, still in a single round trip; the business transaction commits durably.
-ASYNC_COMMIT_PREFIX = "SET LOCAL synchronous_commit TO off;\n"
-
+#: Row mode's completion: fills the processing row in with the answer, fenced by
+#: the lock token (``IK409`` once taken over; the transaction then aborts and the
+#: ``COMMIT`` after it never runs). It changes no column an index names, so
+#: PostgreSQL updates the row on its page: a HOT update (migration 0009).
 COMPLETE = "SELECT idempotency_complete(%s, %s::bigint, %s::smallint, %s::jsonb, %s)"
 
 #: ``claim_mode = "transaction"`` (migrations 0005 and 0007): the business
@@ -209,21 +101,13 @@ COMPLETE = "SELECT idempotency_complete(%s, %s::bigint, %s::smallint, %s::jsonb,
 #: anything is claimed or any view runs (a 503, and the connection is replaced),
 #: as the row-mode claim's INSERT does.
 CLAIM_IN_TRANSACTION = "BEGIN;\nSELECT * FROM idempotency_claim_in_transaction_rw(%s, %s, %s)"
-INSERT_COMPLETED = (
-    "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s);\nCOMMIT"
-)
-#: Both calls prepared once per connection, as the row-mode claim is: otherwise
-#: each is parsed and planned on every request. Prepared statements outlive the
-#: transaction they were prepared in, whatever its end, so they go in the
-#: claim's round trip, after its ``BEGIN``.
-PREPARE_CLAIM_IN_TRANSACTION = (
-    "PREPARE idempotency_claim_in_transaction (bytea, bigint, bigint) AS\n"
-    "SELECT * FROM idempotency_claim_in_transaction_rw($1, $2, $3);\n"
-    "PREPARE idempotency_insert_completed (bytea, bytea, float8, smallint, jsonb, bytea) AS\n"
-    "SELECT idempotency_insert_completed($1, $2, $3, $4, $5, $6);\n"
-)
-EXECUTE_CLAIM_IN_TRANSACTION = "EXECUTE idempotency_claim_in_transaction (%s, %s, %s)"
-EXECUTE_INSERT_COMPLETED = "EXECUTE idempotency_insert_completed (%s, %s, %s, %s, %s, %s);\nCOMMIT"
+INSERT_COMPLETED = "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s)"
+
+#: Prefix for the claim when ``async_claim_commit`` is on. Several statements in
+#: one simple query run as one implicit transaction, so SET LOCAL covers the claim
+#: alone, still in a single round trip; the business transaction commits durably.
+ASYNC_COMMIT_PREFIX = "SET LOCAL synchronous_commit TO off;\n"
+
 RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
 #: End our lease at once and keep the record (its lock token cleared): the release
 #: of a record that holds committed recovery points (migration 0006), and the
@@ -364,6 +248,44 @@ def timeouts_sql(statement_timeout: float, lock_timeout: float) -> str:
     return f"SET LOCAL statement_timeout TO {statement_ms};\nSET LOCAL lock_timeout TO {lock_ms};\n"
 
 
+@dataclasses.dataclass(frozen=True)
+class Statements:
+    """One text per operation, for one store's settings: each starts with the
+    store's ``SET LOCAL`` timeouts and is sent as one round trip. A request adds
+    only what its transaction's state needs: ``BEGIN`` before a completion or a
+    recovery point when the view opened none (``COMMIT`` must end a transaction),
+    ``ROLLBACK`` before a release when it did."""
+
+    claim: str
+    claim_in_transaction: str
+    complete: str
+    insert_completed: str
+    checkpoint: str
+    release: str
+    end_lease: str
+    renew: str
+    ping: str
+
+    @classmethod
+    def build(
+        cls, *, statement_timeout: float, lock_timeout: float, async_claim_commit: bool
+    ) -> Statements:
+        timeouts = timeouts_sql(statement_timeout, lock_timeout)
+        return cls(
+            claim=timeouts + (ASYNC_COMMIT_PREFIX if async_claim_commit else "") + CLAIM,
+            claim_in_transaction=CLAIM_IN_TRANSACTION,
+            complete=timeouts + COMPLETE + ";\nCOMMIT",
+            insert_completed=timeouts + INSERT_COMPLETED + ";\nCOMMIT",
+            # The view's transaction so far commits with the recovery point, and the
+            # next one opens in the same round trip.
+            checkpoint=timeouts + CHECKPOINT + ";\nCOMMIT;\nBEGIN",
+            release=timeouts + RELEASE,
+            end_lease=timeouts + END_LEASE,
+            renew=timeouts + RENEW,
+            ping=timeouts + "SELECT 1",
+        )
+
+
 def new_token() -> int:
     """A random positive 63-bit fencing token (from ``os.urandom``, as ``secrets``)."""
     return (int.from_bytes(os.urandom(8), "big") >> 1) or 1
@@ -376,28 +298,7 @@ def headers_from_json(raw: Any) -> tuple[tuple[str, str], ...]:
 def response_params(response: StoredResponse) -> tuple[int, str, Any]:
     """A stored answer as the completion statements take it: the status, the header
     pairs as a JSON array of arrays (each statement casts it to jsonb), the body."""
-    return response.status, headers_json(response.headers), response.body
-
-
-#: Header sets seen before, as JSON: a route answers with the same few on every
-#: request, and encoding them costs more than the rest of the completion's Python.
-_HEADERS_JSON: dict[tuple[tuple[str, str], ...], str] = {}
-#: The most header sets remembered (a route that puts ids in its headers would
-#: otherwise grow the dict for ever): past it, each is encoded afresh.
-_HEADERS_JSON_LIMIT = 256
-
-
-def headers_json(headers: tuple[tuple[str, str], ...]) -> str:
-    """``json.dumps(headers)``, remembered for the header sets most answers share."""
-    try:
-        encoded = _HEADERS_JSON.get(headers)
-    except TypeError:  # (lists, not tuples: not a key, still JSON)
-        return json.dumps(headers)
-    if encoded is None:
-        encoded = json.dumps(headers)
-        if len(_HEADERS_JSON) < _HEADERS_JSON_LIMIT:
-            _HEADERS_JSON[headers] = encoded
-    return encoded
+    return response.status, json.dumps(response.headers), response.body
 
 
 def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:

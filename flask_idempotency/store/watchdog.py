@@ -52,6 +52,8 @@ class Watchdog:
         self._kill_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._running = False
+        #: The process whose thread watches: a fork's child has none (``watch``).
+        self._pid = os.getpid()
         self.fired = 0
 
     def watch(self, conn: Any, seconds: float, on_fire: Callable[[], None] | None = None) -> int:
@@ -61,7 +63,7 @@ class Watchdog:
         round is shut down: the store's breaker counts every statement that ran out
         together before the first of their threads wakes and takes another request.
         """
-        if not self._running:
+        if not self._running or self._pid != os.getpid():
             self._start()
         ticket = next(self._tickets)
         self._watched[ticket] = (time.monotonic() + seconds, conn, on_fire)
@@ -76,6 +78,15 @@ class Watchdog:
             return True
 
     def _start(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child: the parent's thread did not survive the fork, nor do the
+            # parent's statements matter here. A process-id check rather than an
+            # at-fork hook: uWSGI forks without running those unless told to.
+            self._watched = {}
+            self._kill_lock = threading.Lock()
+            self._start_lock = threading.Lock()
+            self._running = False
+            self._pid = os.getpid()
         with self._start_lock:
             if self._running:
                 return
@@ -84,13 +95,6 @@ class Watchdog:
             )
             thread.start()
             self._running = True
-
-    def _after_fork(self) -> None:
-        # The thread did not survive the fork, nor do the parent's statements matter.
-        self._watched = {}
-        self._kill_lock = threading.Lock()
-        self._start_lock = threading.Lock()
-        self._running = False
 
     def _run(self) -> None:
         while True:
@@ -136,4 +140,3 @@ class Watchdog:
 
 #: The process's watchdog.
 WATCHDOG = Watchdog()
-os.register_at_fork(after_in_child=WATCHDOG._after_fork)

@@ -11,6 +11,7 @@ from flask import Flask
 
 from flask_idempotency import global_scope
 from flask_idempotency.store import migrations
+from support.dead_store import make_unreachable
 from support.pg_query import query
 
 MakeApp = Callable[..., Flask]
@@ -98,7 +99,7 @@ def test_unlock_releases_a_stuck_processing_record(make_app: MakeApp, database_u
 
 def test_cli_reports_an_unreachable_database(make_app: MakeApp) -> None:
     app = make_app(IDEMPOTENCY_AUTO_MIGRATE=False)
-    app.extensions["idempotency"].store.pool._dsn = "postgresql://postgres@127.0.0.1:9/none"
+    make_unreachable(app)
     result = run(app, "purge")
     assert result.exit_code != 0
     assert "Traceback" not in result.output

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from flask import Flask
 
+from support.dead_store import make_unreachable
+
 from .app import create_app
 from .conftest import run, seed_expired
 
@@ -55,7 +57,7 @@ def test_failures_are_1(cli_app: Flask, clean_db: str) -> None:
 
 def test_an_unreachable_database_is_1_without_a_traceback(clean_db: str) -> None:
     app = create_app(clean_db, {"IDEMPOTENCY_AUTO_MIGRATE": False})
-    app.extensions["idempotency"].store.pool._dsn = "postgresql://postgres@127.0.0.1:9/none"
+    make_unreachable(app)
     try:
         for args in (["purge", "--yes"], ["stats", "--json"], ["show", "k"], ["unlock", "k"]):
             result = run(app, *args)

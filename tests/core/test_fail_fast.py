@@ -326,9 +326,15 @@ def test_the_views_statements_keep_the_sessions_timeouts(make_app: MakeApp) -> N
 
 
 def test_connections_carry_keepalives_unless_overridden(clean_db: str) -> None:
-    from flask_idempotency.store.pool import ConnectionPool
+    from flask_idempotency.store.pool import EnginePool, build_engine
 
-    pool = ConnectionPool(clean_db, max_size=1)
+    def pool_of(**kwargs: object) -> EnginePool:
+        engine = build_engine(
+            clean_db, pool_size=1, pool_timeout=1, connect_timeout=3, connect_kwargs=kwargs
+        )
+        return EnginePool(engine, owned=True)
+
+    pool = pool_of()
     conn = pool.getconn()
     params = conn.info.dsn_parameters
     assert params["keepalives"] == "1"
@@ -336,7 +342,7 @@ def test_connections_carry_keepalives_unless_overridden(clean_db: str) -> None:
     pool.putconn(conn)
     pool.close()
 
-    pool = ConnectionPool(clean_db, max_size=1, connect_kwargs={"keepalives_idle": 30})
+    pool = pool_of(keepalives_idle=30)
     conn = pool.getconn()
     assert conn.info.dsn_parameters["keepalives_idle"] == "30"
     pool.putconn(conn)

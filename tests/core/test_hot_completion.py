@@ -64,25 +64,19 @@ def _claim(cur: Any, *, recovery: bytes | None = None) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("completion", "recovery", "hot"),
+    ("recovery", "hot"),
     [
-        ("function", None, True),
-        ("prepared", None, True),
+        (None, True),
         # A recover= route's completion clears the payload its index is on.
-        ("function", b"payload", False),
-        ("prepared", b"payload", False),
+        (b"payload", False),
     ],
 )
 def test_a_completion_writes_no_index_entry_unless_the_route_keeps_recovery(
-    cur: Any, clean_db: str, completion: str, recovery: bytes | None, hot: bool
+    cur: Any, clean_db: str, recovery: bytes | None, hot: bool
 ) -> None:
     key = _claim(cur, recovery=recovery)
     cur.execute("BEGIN")
-    if completion == "prepared":
-        cur.execute(statements.PREPARE_CLAIM)
-        cur.execute(statements.EXECUTE_COMPLETE, (key, 7, *ANSWER))
-    else:
-        cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
+    cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
     assert _updates(cur) == (1, 1 if hot else 0)
     cur.execute("COMMIT")
     [(state, lives)] = sql(
@@ -92,13 +86,11 @@ def test_a_completion_writes_no_index_entry_unless_the_route_keeps_recovery(
     assert (state, lives) == ("completed", True)  # the claim's expiry stands
 
 
-@pytest.mark.parametrize("completion", [statements.COMPLETE, statements.EXECUTE_COMPLETE])
 def test_a_slow_views_answer_lives_nine_tenths_of_the_ttl_after_it_is_stored(
-    cur: Any, clean_db: str, completion: str
+    cur: Any, clean_db: str
 ) -> None:
     """The one completion that moves ``expires_at``: a view that ran past a tenth of
     the TTL (here its claim is made to look 50 minutes old, of one hour)."""
-    cur.execute(statements.PREPARE_CLAIM)
     key = _claim(cur)
     cur.execute(
         "UPDATE idempotency_records SET created_at = created_at - interval '50 min',"
@@ -106,7 +98,7 @@ def test_a_slow_views_answer_lives_nine_tenths_of_the_ttl_after_it_is_stored(
         (key,),
     )
     cur.execute("BEGIN")
-    cur.execute(completion, (key, 7, *ANSWER))
+    cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
     [remaining] = cur.fetchone()
     cur.execute("COMMIT")
     assert remaining == pytest.approx(0.9 * TTL, abs=5)
@@ -133,15 +125,14 @@ def _post(app: Flask, key: str) -> int:
     return response.status_code
 
 
-@pytest.mark.parametrize("prepare", [True, False])
 def test_first_requests_through_the_app_update_their_records_heap_only(
-    make_app: MakeApp, clean_db: str, prepare: bool
+    make_app: MakeApp, clean_db: str
 ) -> None:
-    """End to end: the request path's own completions (prepared, or plain) are HOT.
+    """End to end: the request path's own completions are HOT.
     A backend reports its counts when it exits, so the app is closed first."""
     requests = 20
     before = _table_updates(clean_db)
-    app = make_app(IDEMPOTENCY_DATABASE_OPTIONS={"prepare_statements": prepare})
+    app = make_app()
     assert all(_post(app, f"hot-{n}") == 201 for n in range(requests))
     app.extensions["idempotency"].close()
     wait_until(

@@ -27,7 +27,7 @@ import pytest
 from flask import Flask, Response, jsonify, request
 
 from flask_idempotency import Idempotency
-from flask_idempotency.store.pool import ConnectionPool
+from flask_idempotency.store.pool import EnginePool, build_engine
 from flask_idempotency.workers import check_pool_size
 from support import core_app
 from support.records import wait_for_renewal
@@ -149,7 +149,10 @@ def test_keeper_renews_while_every_pool_slot_is_held(
 def test_waiting_for_a_pool_slot_is_warned_about_once(
     clean_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pool = ConnectionPool(clean_db, max_size=1, timeout=5)
+    engine = build_engine(
+        clean_db, pool_size=1, pool_timeout=5, connect_timeout=3, connect_kwargs={}
+    )
+    pool = EnginePool(engine, owned=True)
     held = pool.getconn()
     taken: list[Any] = []
     waiter = threading.Thread(target=lambda: taken.append(pool.getconn()))

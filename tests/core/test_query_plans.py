@@ -1,8 +1,8 @@
 """The store's cached plans stay index lookups however small the table was when cached.
 
-A pooled connection prepares the claim once, and PostgreSQL caches a *generic*
-plan for it after a few executions; plpgsql caches the completion's UPDATE the
-same way. When that happens while ``idempotency_records`` is empty or tiny (a
+plpgsql caches the plans of the statements inside the schema's functions (the
+completion's UPDATE) per connection, and PostgreSQL settles on a *generic* plan
+after a few executions. When that happens while ``idempotency_records`` is empty or tiny (a
 fresh deployment, a table just purged, a benchmark's first seconds), the
 cheapest plan is a sequential scan, and the connection keeps it until
 something invalidates it: every later claim then reads the whole table. That
@@ -26,9 +26,9 @@ import psycopg2.extras
 import pytest
 
 from flask_idempotency.store.base import Claimed, StoredResponse
-from flask_idempotency.store.pool import ConnectionPool
+from flask_idempotency.store.pool import EnginePool, build_engine
 from flask_idempotency.store.postgres import PostgresStore
-from flask_idempotency.store.sql import COMPLETE, EXECUTE_COMPLETE
+from flask_idempotency.store.sql import COMPLETE
 
 #: Enough rows that a sequential scan is never the cheapest plan.
 GROWN_TO = 20_000
@@ -39,12 +39,17 @@ WARM_EXECUTIONS = 10
 @pytest.fixture
 def store(clean_db: str) -> Iterator[PostgresStore]:
     """A store with one pooled connection, so every claim reuses its cached plans."""
-    store = PostgresStore(ConnectionPool(clean_db, max_size=1), async_claim_commit=False)
+    store = PostgresStore(_one_connection(clean_db), async_claim_commit=False)
     store.migrate()
     try:
         yield store
     finally:
         store.close()
+
+
+def _one_connection(dsn: str) -> EnginePool:
+    engine = build_engine(dsn, pool_size=1, pool_timeout=5, connect_timeout=3, connect_kwargs={})
+    return EnginePool(engine, owned=True)
 
 
 def _claim_params(key: bytes) -> dict[str, object]:
@@ -83,12 +88,10 @@ def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
             assert isinstance(claimed, Claimed)
             request.connection()  # BEGIN, as a view asking for the connection does
             request.complete(key, claimed.token, StoredResponse(201, (), b"{}"))
-            # A replay: the first-request claim's second branch reads the row.
+            # A replay: the claim's second branch reads the row.
             assert not isinstance(request.claim(key, b"fp", lease=30, ttl=3600), Claimed)
         finally:
             request.close()
-        with store.pool.connection() as conn, conn.cursor() as cur:  # the full claim
-            cur.execute(store.claim_sql(conn), _claim_params(secrets.token_bytes(32)))
     _run(
         clean_db,
         "INSERT INTO idempotency_records (record_key, fingerprint, state, expires_at)"
@@ -102,26 +105,21 @@ def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
     with store.pool.connection() as conn, conn.cursor() as cur:  # the same, only connection
         cur.execute("BEGIN")
         before = _sequential_scans(cur)
-        cur.execute(store.claim_sql(conn), _claim_params(key))
-        assert cur.fetchone() is not None
-        assert _sequential_scans(cur) == before, "the claim scanned the whole table"
-        for first_key, claims in ((grown, False), (new_key, True)):
-            cur.execute(store.claim_sql(conn, new_key=True), _claim_params(first_key))
+        for claim_key, claims in ((key, True), (grown, False), (new_key, True)):
+            cur.execute(store.statements.claim, _claim_params(claim_key))
             row = cur.fetchone()
             assert row is not None and row[0] is claims
-            assert _sequential_scans(cur) == before, "the first-request claim scanned the table"
+            assert _sequential_scans(cur) == before, "the claim scanned the whole table"
         cur.execute(COMPLETE, (key, 7, *answer))
         assert _sequential_scans(cur) == before, "the completion scanned the whole table"
-        cur.execute(EXECUTE_COMPLETE, (new_key, 7, *answer))
-        assert _sequential_scans(cur) == before, "the prepared completion scanned the table"
         cur.execute("ROLLBACK")
 
 
 def test_the_claims_settings_do_not_reach_the_views_transaction(clean_db: str) -> None:
-    """The plan settings and the asynchronous commit are ``SET LOCAL`` in the claim's
+    """The timeouts and the asynchronous commit are ``SET LOCAL`` in the claim's
     own implicit transaction: the view's queries, on the same connection right
     after, run as the session says, and its COMMIT is durable."""
-    store = PostgresStore(ConnectionPool(clean_db, max_size=1), async_claim_commit=True)
+    store = PostgresStore(_one_connection(clean_db), async_claim_commit=True)
     store.migrate()
     request = store.begin()
     try:
@@ -130,10 +128,9 @@ def test_the_claims_settings_do_not_reach_the_views_transaction(clean_db: str) -
         conn = request.connection()  # BEGIN: the business transaction
         with conn.cursor() as cur:
             cur.execute(
-                "SELECT current_setting('enable_seqscan'), current_setting('plan_cache_mode'),"
-                " current_setting('synchronous_commit')"
+                "SELECT current_setting('statement_timeout'), current_setting('synchronous_commit')"
             )
-            assert cur.fetchone() == ("on", "auto", "on")
+            assert cur.fetchone() == ("0", "on")
     finally:
         request.close()
         store.close()

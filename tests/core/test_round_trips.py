@@ -467,26 +467,43 @@ class TestTransactionClaimMode:
 @pytest.mark.parametrize(
     ("claim_mode", "first", "replay"),
     [
-        ("row", ["claim", "BEGIN+business INSERT", "complete+COMMIT"], ["claim"]),
+        (
+            "row",
+            [
+                "claim",
+                "BEGIN",
+                "SAVEPOINT sa_savepoint_1",
+                "business INSERT",
+                "RELEASE SAVEPOINT sa_savepoint_1",
+                "complete+COMMIT",
+            ],
+            ["claim"],
+        ),
         (
             "transaction",
-            ["BEGIN+claim", "SAVEPOINT+business INSERT", "insert completed+COMMIT"],
+            [
+                "BEGIN+claim",
+                "SAVEPOINT sa_savepoint_1",
+                "business INSERT",
+                "RELEASE SAVEPOINT sa_savepoint_1",
+                "insert completed+COMMIT",
+            ],
             ["BEGIN+claim", "ROLLBACK"],
         ),
     ],
 )
-def test_on_db_session_the_first_request_is_as_many_round_trips_as_without(
+def test_on_db_session_a_first_request_adds_only_the_join_s_savepoint(
     clean_db: str,
     monkeypatch: pytest.MonkeyPatch,
     claim_mode: str,
     first: list[str],
     replay: list[str],
 ) -> None:
-    """``Idempotency(app, db=db)``: the claim, the session's INSERT carrying the
-    attempt's BEGIN (or, where the claim opened the transaction, the savepoint the
-    view's ``rollback()`` would return to), the completion carrying the COMMIT. An app without
-    idempotency makes three too (BEGIN, INSERT, COMMIT); the claim is the
-    extension's one, as on the raw path, where the view's BEGIN is one of its own."""
+    """``Idempotency(app, db=db)``: the claim, the attempt's BEGIN (in transaction
+    mode, the claim's), then SQLAlchemy's documented join: the session's transaction
+    is a savepoint in the attempt's, its ``commit()`` releases it; the completion
+    carries the COMMIT. Beyond the raw path's round trips, only the savepoint and
+    its release; a replay is the claim alone (row mode)."""
     monkeypatch.setenv("BENCH_DATABASE_URL", clean_db)  # the engine's DSN
     prepare_database(clean_db, ["sqla-pg"])
     trace: Trace = []

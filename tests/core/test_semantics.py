@@ -16,6 +16,8 @@ import pytest
 from flask import Flask
 from werkzeug.test import TestResponse
 
+from support.dead_store import make_unreachable
+
 from .conftest import Records
 
 MakeApp = Callable[..., Flask]
@@ -298,8 +300,7 @@ def test_authentication_runs_first_and_401_is_never_stored(make_app: MakeApp) ->
 @pytest.mark.postgres_only
 def test_postgres_unreachable_fails_closed(make_app: MakeApp) -> None:
     app = make_app(IDEMPOTENCY_AUTO_MIGRATE=False)
-    app.extensions["idempotency"].store.pool._dsn = "postgresql://postgres@127.0.0.1:9/none"
-    app.extensions["idempotency"].store.pool.discard_idle()
+    make_unreachable(app)
     response = post(app, {})
     assert response.status_code == 503
     assert error_code(response) == "store_unavailable"
@@ -435,16 +436,6 @@ def test_unreadable_body_is_400_malformed_body(make_app: MakeApp) -> None:
     assert response.status_code == 400
     assert response.get_json()["error"]["code"] == "malformed_body"
     assert runs(app) == []
-
-
-@pytest.mark.postgres_only
-def test_claim_works_without_prepared_statements(make_app: MakeApp) -> None:
-    """For PgBouncer in transaction mode, which drops a session's prepared statements."""
-    app = make_app(IDEMPOTENCY_PREPARE_STATEMENTS=False)
-    assert post(app, {"amount": 1}).status_code == 201
-    assert post(app, {"amount": 1}).headers["Idempotent-Replayed"] == "true"
-    assert post(app, {"amount": 2}).status_code == 422
-    assert runs(app) == ["charges"]
 
 
 def test_a_replay_takes_no_row_lock(make_app: MakeApp, database_url: str) -> None:

@@ -40,6 +40,7 @@ from flask_idempotency.observability.prometheus import PrometheusMetrics, TableS
 from flask_idempotency.observability.tracing import OpenTelemetryTracing
 from flask_idempotency.store import StoreUnavailableError
 from support.core_app import CLIENT_AUTHORIZATION
+from support.dead_store import make_unreachable, store_unreachable
 from support.servers import ProxyFactory
 from support.waiting import wait_until
 
@@ -156,12 +157,8 @@ def test_every_outcome_is_counted_logged_and_labelled_once(
     app.extensions["gates"].get("slow").set()
     holder.join(10)
     expect(201, first[0], "executed")
-    state.store.pool.discard_idle()
-    dsn, state.store.pool._dsn = state.store.pool._dsn, "postgresql://postgres@127.0.0.1:9/none"
-    try:
+    with store_unreachable(app):
         expect(503, post(app, {}, SECRET + "-down"), "store_unavailable")
-    finally:
-        state.store.pool._dsn = dsn
     expect(400, post(app, {}), "missing_key")
     expect(400, post(app, {}, "a b"), "invalid_key")
     expect(400, post(app, {}, SECRET, client=FlaskClient(app)), "missing_scope")
@@ -323,14 +320,8 @@ def test_spans_for_the_claim_the_replay_and_the_completion(
 
     # A claim PostgreSQL did not answer: the span says so, the request span too.
     exporter.clear()
-    pool = app.extensions["idempotency"].store.pool
-    pool.discard_idle()
-    dsn, pool._dsn = pool._dsn, "postgresql://postgres@127.0.0.1:9/none"
-    try:
-        with tracer.start_as_current_span("POST /charges"):
-            assert post(app, {}, SECRET + "-down").status_code == 503
-    finally:
-        pool._dsn = dsn
+    with store_unreachable(app), tracer.start_as_current_span("POST /charges"):
+        assert post(app, {}, SECRET + "-down").status_code == 503
     claim, request_span = exporter.get_finished_spans()
     assert claim.status.status_code is StatusCode.ERROR
     assert claim.events[0].name == "exception"
@@ -373,8 +364,7 @@ def test_table_stats_query_at_most_once_per_interval(
     assert sum(worker.queries for worker in workers) == 1
 
     # PostgreSQL gone: up is 0, and the failure is not retried at every scrape.
-    store.pool.discard_idle()
-    store.pool._dsn = "postgresql://postgres@127.0.0.1:9/none"
+    make_unreachable(app)
     now[0] += 15
     assert gauges(collector) == {"flask_idempotency_table_stats_up": {"": 0}}
     assert gauges(collector) == {"flask_idempotency_table_stats_up": {"": 0}}

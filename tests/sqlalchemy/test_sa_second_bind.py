@@ -3,8 +3,8 @@
 Only the engine given to ``Idempotency(app, db=db)`` joins the request's
 transaction. A model bound to another engine keeps its own connection and its
 own commits, as the docs say: its writes are not part of the stored answer's
-transaction. ``get_bind`` answers the ORM's flush from a per-attempt memo, so
-these tests also hold that memo to one answer per mapper.
+transaction. The session holds one connection per engine for its transaction, so
+these tests also hold each mapper to one connection every time it is asked.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _labels(dsn: str, table: str) -> list[str]:
     return [row[0] for row in query(dsn, f"SELECT label FROM {table} ORDER BY id")]
 
 
-#: What the view's ``get_bind`` calls answered, in order (the first test reads it).
+#: The connections the view's session used for each mapper, in order (the first test
+#: reads them).
 Routes = list[Any]
 
 
@@ -77,7 +78,7 @@ def app(clean_db: str, routes: Routes) -> Iterator[Flask]:
         session = db.session()
         # Asked in turn and twice each, as a flush of both models would.
         for mapper in (Payment.__mapper__, AuditEntry.__mapper__) * 2:
-            routes.append(session.get_bind(mapper))
+            routes.append(session.connection(bind_arguments={"mapper": mapper}))
         db.session.add(Payment(label=label))
         db.session.add(AuditEntry(label=label))
         db.session.commit()
@@ -102,10 +103,12 @@ def _post(app: Flask, key: str, body: dict[str, str]) -> Any:
 def test_each_mapper_is_routed_to_its_own_database_every_time(app: Flask, routes: Routes) -> None:
     assert _post(app, "k-routes", {"label": "routes"}).status_code == 201
     main, audit, main_again, audit_again = routes
-    assert isinstance(main, Connection), "the default engine is the attempt's connection"
-    assert main_again is main
+    assert isinstance(main, Connection) and isinstance(audit, Connection)
+    assert main_again is main and audit_again is audit
     with app.app_context():
-        assert audit is db.engines["audit"] and audit_again is audit
+        assert main.engine is db.engine, "the default engine's is the attempt's connection"
+        assert audit.engine is db.engines["audit"], "the second database keeps its own"
+    assert main is not audit
 
 
 def test_a_second_database_commits_on_its_own_and_the_joined_one_with_the_answer(

@@ -65,16 +65,15 @@ def test_commit_then_failure_keeps_nothing_and_the_retry_runs_once(
 def test_a_connection_lost_under_the_view_keeps_nothing_and_forgets_the_join(
     client: Client, dialect_url: str
 ) -> None:
-    from flask_idempotency import sqlalchemy_session
-
-    joined_before = len(sqlalchemy_session._JOINED_BY_DBAPI)
     label = new_label("lost")
     lost = client.post(label, then="lost_connection")
     assert lost.status_code >= 500, lost.get_data(as_text=True)
     assert rows(dialect_url, label) == []
-    # The attempt's connection was dropped before it left the session: the join
-    # is forgotten all the same (it was kept for ever, with its session).
-    assert len(sqlalchemy_session._JOINED_BY_DBAPI) == joined_before
+    # The attempt's connection was dropped before it left the session: the join is
+    # forgotten all the same, and the next attempt joins a connection of its own.
+    retry = client.post(label)
+    assert retry.status_code == 201, retry.get_data(as_text=True)
+    assert rows(dialect_url, label) == ["first"]
 
 
 def test_dead_pooled_connections_after_a_restart_cost_no_request(

@@ -77,7 +77,14 @@ class Gates:
             return self.entered.setdefault(name, threading.Event())
 
 
-def create_app(database_url: str | None = None, config: Mapping[str, Any] | None = None) -> Flask:
+def create_app(
+    database_url: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    *,
+    engine: Any = None,
+) -> Flask:
+    """The core app on ``database_url``; with ``engine`` (a SQLAlchemy ``Engine`` on
+    that database) the extension takes that engine's connections (``engine=``)."""
     app = Flask(__name__)
     dsn = database_url or os.environ["DATABASE_URL"]
     app.config.update(
@@ -88,6 +95,8 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
         if name.startswith("CORE_APP_IDEMPOTENCY_"):
             app.config[name.removeprefix("CORE_APP_")] = value
     app.config.update(config or {})
+    if engine is not None:
+        del app.config["IDEMPOTENCY_DATABASE_URL"]
     in_memory = dsn == MEMORY_URL
     if not in_memory:
         with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
@@ -96,7 +105,7 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
         conn.close()
     row_ids = itertools.count(1)
 
-    idempotency = Idempotency(app)
+    idempotency = Idempotency(app, engine=engine)
     app.test_client_class = CredentialedClient
     runs: list[str] = []
     gates = Gates()

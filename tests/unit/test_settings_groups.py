@@ -8,6 +8,7 @@ DeprecationWarning that names the new spelling.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ def test_each_group_sets_its_fields() -> None:
                 "DATABASE_OPTIONS": {
                     "pool_size": "20",
                     "statement_timeout": 1.5,
-                    "prepare_statements": "false",
+                    "async_claim_commit": "false",
                     "sslmode": "require",
                     "application_name": "payments",
                 },
@@ -34,7 +35,7 @@ def test_each_group_sets_its_fields() -> None:
             }
         )
     assert (settings.pool_size, settings.statement_timeout) == (20, 1.5)
-    assert settings.prepare_statements is False
+    assert settings.async_claim_commit is False
     # Any other database option is a libpq connection parameter.
     assert dict(settings.connect_kwargs) == {"sslmode": "require", "application_name": "payments"}
     assert (settings.redis_prefix, settings.redis_timeout, settings.redis_fill) == (
@@ -77,3 +78,18 @@ def test_mistakes_in_a_group_are_refused_with_its_key() -> None:
     with pytest.raises(ValueError, match="also set by its deprecated flat key"):
         with pytest.warns(DeprecationWarning):
             settings_from_config({**BASE, "POOL_SIZE": 5, "DATABASE_OPTIONS": {"pool_size": 6}})
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"POOL": object()}, "engine="),
+        ({"DATABASE_OPTIONS": {"prepare_statements": False}}, "no longer prepares"),
+    ],
+)
+def test_a_setting_removed_in_0_3_fails_naming_what_to_do(
+    config: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match="removed in 0.3.0") as raised:
+        settings_from_config({**BASE, **config})
+    assert named in str(raised.value)

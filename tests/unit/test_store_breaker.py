@@ -9,7 +9,6 @@ logs and reports, and the settings that configure it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -19,10 +18,10 @@ import pytest
 from flask_idempotency.circuit import BreakerState
 from flask_idempotency.observer import Observer
 from flask_idempotency.settings import settings_from_config
-from flask_idempotency.store import StoreUnavailableError
+from flask_idempotency.store import StoreUnavailableError, pool
+from flask_idempotency.store.base import BreakerOpenError
 from flask_idempotency.store.breaker import StoreBreaker
-from flask_idempotency.store.pool import Checkout, NoAnswerError, connect_timeout, connect_within
-from support.waiting import wait_until
+from flask_idempotency.store.pool import Checkout
 
 
 class FakeClock:
@@ -182,40 +181,28 @@ def test_no_observer_is_fine() -> None:
 
 
 def test_a_connect_gets_what_is_left_of_the_deadline_at_least_libpqs_two_seconds() -> None:
-    def checkout(left: float) -> Checkout:
-        return Checkout(time.monotonic() + left, lambda: False)
+    """The ``do_connect`` hook on the store's checkouts: libpq's connect timeout cut to
+    what is left of the request's deadline (at least libpq's 2 s), none made once the
+    breaker opened, and an application's own connects left as they are."""
 
-    assert connect_timeout(None, 3) is None
-    assert connect_timeout(Checkout(None, lambda: False), 3) is None
-    assert connect_timeout(checkout(5.5), 3) == 3
-    assert connect_timeout(checkout(5.5), None) == 6
-    assert connect_timeout(checkout(5.5), "0") == 6  # 0: libpq would wait for ever
-    assert connect_timeout(checkout(0.5), 3) == 2
-    with pytest.raises(StoreUnavailableError):
-        connect_timeout(checkout(-0.1), 3)
+    def connect_timeout(left: float, given: Any, *, abandoned: bool = False) -> Any:
+        cparams: dict[str, Any] = {} if given is None else {"connect_timeout": given}
+        pool._CHECKOUT.terms = Checkout(time.monotonic() + left, lambda: abandoned)
+        try:
+            pool._bound_connect(None, None, [], cparams)
+        finally:
+            pool._CHECKOUT.terms = None
+        return cparams.get("connect_timeout")
 
-
-def test_a_request_gives_up_on_a_slow_connect_which_then_goes_to_the_pool() -> None:
-    gate, kept = threading.Event(), list[str]()
-
-    def slow_connect() -> str:
-        gate.wait(5)
-        return "conn"
-
-    started = time.monotonic()
-    with pytest.raises(NoAnswerError):
-        connect_within(slow_connect, Checkout(time.monotonic() + 0.2, lambda: False), kept.append)
-    assert time.monotonic() - started < 0.5
-    opens_at = time.monotonic() + 0.2
-    breaker_opens = Checkout(None, lambda: time.monotonic() > opens_at)
-    with pytest.raises(StoreUnavailableError, match="breaker opened"):
-        connect_within(slow_connect, breaker_opens, kept.append)
-    assert not kept
-    gate.set()  # both connects end after their requests gave up: kept for the next
-    wait_until(lambda: kept == ["conn", "conn"], 5, "the late connections to be kept")
-    in_time = Checkout(time.monotonic() + 1, lambda: False)
-    assert connect_within(lambda: "fast", in_time, kept.append) == "fast"
-    assert kept == ["conn", "conn"]
+    assert connect_timeout(5.5, 3) == 3
+    assert connect_timeout(5.5, None) == 6
+    assert connect_timeout(5.5, "0") == 6  # 0: libpq would wait for ever
+    assert connect_timeout(0.5, 3) == 2
+    with pytest.raises(BreakerOpenError):
+        connect_timeout(5, 3, abandoned=True)
+    untouched = {"connect_timeout": 30}
+    pool._bound_connect(None, None, [], untouched)  # not a store's checkout
+    assert untouched == {"connect_timeout": 30}
 
 
 # -- settings ----------------------------------------------------------------------

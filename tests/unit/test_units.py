@@ -185,16 +185,6 @@ def test_the_canonical_encoder_made_once_writes_what_json_dumps_writes(value: ob
     assert _encode_canonical(value) == expected
 
 
-def test_stored_headers_json_is_json_dumps_remembered_or_not() -> None:
-    from flask_idempotency.store.sql import headers_json
-
-    pairs = (("Content-Type", "application/json"), ("X-Id", "é"))
-    assert headers_json(pairs) == json.dumps(pairs)
-    assert headers_json(pairs) == json.dumps(pairs)  # (the remembered one)
-    as_lists = [["Location", "/charges/1"]]
-    assert headers_json(as_lists) == json.dumps(as_lists)  # type: ignore[arg-type]
-
-
 def test_route_options_hash_once_and_compare_by_value() -> None:
     from flask_idempotency.route_options import RouteOptions
 

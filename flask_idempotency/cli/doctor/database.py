@@ -64,50 +64,22 @@ def schema(ctx: Context) -> Check:
 
 
 def pgbouncer(ctx: Context) -> Check:
-    """PgBouncer (in transaction or statement mode) keeps no session's prepared
-    statements: the claim must not be prepared there
-    (``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"] = False``)."""
-    state = ctx.state
+    """Whether the app talks to PostgreSQL through a pooler (PgBouncer), and in which
+    mode. The extension prepares no statements and keeps no session state between
+    transactions, so every pool mode works; this says what sits in between."""
     with ctx.store.autocommit() as conn:
         client_port = int(getattr(conn.info, "port", 0) or 0)
     server_port, dbname, _, version = ctx.store.read(SERVER_SIDE)[0]
-    prepare = state.settings.prepare_statements
     if not client_port or client_port == server_port:
         return Check(
-            "pgbouncer",
-            OK,
-            f"connected straight to PostgreSQL {version} (port {server_port}); prepared "
-            f"statements {'on' if prepare else 'off'}",
+            "pgbouncer", OK, f"connected straight to PostgreSQL {version} (port {server_port})"
         )
     proxy = _ask_pgbouncer(ctx, dbname)
     where = f"port {client_port} forwards to PostgreSQL's port {server_port}"
     if proxy is None:
-        if not prepare:
-            return Check("pgbouncer", OK, f"{where} (a pooler?); prepared statements off")
-        return Check(
-            "pgbouncer",
-            WARN,
-            f"{where}: a pooler (PgBouncer?) or a port mapping; its admin console did not "
-            "answer, so its pool mode is unknown, and prepared statements are on",
-            'unless it pools by session, set IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]'
-            " = False",
-        )
+        return Check("pgbouncer", OK, f"{where}: a pooler or a port mapping (its mode unknown)")
     name, mode = proxy
-    if mode == "session" or not prepare:
-        return Check(
-            "pgbouncer",
-            OK,
-            f"{name} in {mode or 'an unknown'} mode ({where}); prepared statements "
-            f"{'on' if prepare else 'off'}",
-        )
-    return Check(
-        "pgbouncer",
-        FAIL if mode in ("transaction", "statement") else WARN,
-        f"{name} in {mode or 'an unknown'} mode ({where}) with prepared statements on: "
-        "a claim's next transaction may run on a server connection that never saw its "
-        "PREPARE",
-        'set IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"] = False',
-    )
+    return Check("pgbouncer", OK, f"{name} in {mode or 'an unknown'} mode ({where})")
 
 
 def _ask_pgbouncer(ctx: Context, dbname: str) -> tuple[str, str | None] | None:
