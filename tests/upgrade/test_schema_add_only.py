@@ -48,23 +48,29 @@ def test_files_after_the_previous_release_only_add(directory: str) -> None:
     assert not problems, "not add-only:\n" + "\n".join(problems)
 
 
-def _previous_text(path: str) -> str | None:
-    """``path`` as the previous release had it; None if it had no such file."""
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
     try:
-        shown = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "show", f"{PREVIOUS_COMMIT}:{path}"],
+        return subprocess.run(
+            ["git", "-C", str(REPO_ROOT), *args],
             capture_output=True,
             text=True,
             timeout=30,
             check=False,
         )
     except FileNotFoundError as exc:
-        return _unavailable(f"git is not installed: {exc}")
-    if shown.returncode != 0:
-        if "exists on disk, but not in" in shown.stderr or "does not exist in" in shown.stderr:
-            return None
-        return _unavailable(f"git show {PREVIOUS_COMMIT}:{path}: {shown.stderr.strip()}")
-    return shown.stdout
+        _unavailable(f"git is not installed: {exc}")
+
+
+def _previous_text(path: str) -> str | None:
+    """``path`` as the previous release had it; None if it had no such file."""
+    commit = _git("cat-file", "-e", f"{PREVIOUS_COMMIT}^{{commit}}")
+    if commit.returncode != 0:
+        _unavailable(
+            f"commit {PREVIOUS_COMMIT} is not in {REPO_ROOT}: {commit.stderr.strip()} "
+            "(a shallow clone? `git fetch --unshallow` brings the history back)"
+        )
+    shown = _git("show", f"{PREVIOUS_COMMIT}:{path}")
+    return shown.stdout if shown.returncode == 0 else None
 
 
 def _unavailable(message: str) -> NoReturn:
