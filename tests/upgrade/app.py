@@ -148,4 +148,13 @@ def create_app() -> Flask:
         response.headers["X-Upgrade"] = "kept"
         return response
 
+    @app.post("/notes")
+    @idempotency.required
+    def notes() -> Response:
+        """A view of a body that is not JSON (compared as bytes, with its media type
+        from 0.3.0 on): the bytes back, upper-cased, with the release that ran it."""
+        record_run(request.headers["Idempotency-Key"])
+        text = request.get_data().upper() + b" / " + release.encode()
+        return Response(text, 201, {"Content-Type": "text/plain; charset=utf-8"})
+
     return app

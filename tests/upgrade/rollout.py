@@ -177,6 +177,15 @@ class Server:
             "POST", self.gunicorn.url + "/charges", headers, json=dict(body or {"amount": 100})
         )
 
+    def note(self, key: str, text: bytes, content_type: str = "text/plain") -> HttpResponse:
+        """``POST /notes``: a body that is not JSON."""
+        headers = {
+            "Idempotency-Key": key,
+            SCOPE_HEADER: DEFAULT_SCOPE,
+            "Content-Type": content_type,
+        }
+        return http_request("POST", self.gunicorn.url + "/notes", headers, body=text)
+
     def close(self) -> None:
         try:
             self.gunicorn.stop()

@@ -72,3 +72,31 @@ def test_an_answer_not_stored_runs_again_on_the_other(stack: Stack, direction: s
     assert json.loads(retried.body)["release"] == other.release.name
     assert stack.runs(key) == [first_server.release.name, other.release.name]
     assert seen(first_server.charge(key, {"amount": 3})) == seen(retried)
+
+
+def test_a_text_body_recorded_by_the_previous_release_replays_on_the_new(stack: Stack) -> None:
+    """Each record is compared the way it was written: a non-JSON body that 0.2.0
+    fingerprinted as bytes replays on the new release, media type or not."""
+    key = new_key()
+    first = stack.old.note(key, b"ship it \xe2\x9c\x93")
+    assert first.status == 201, first
+    assert_replays(stack.new.note(key, b"ship it \xe2\x9c\x93"), first)
+    assert_replays(stack.old.note(key, b"ship it \xe2\x9c\x93"), first)
+    assert stack.runs(key) == ["previous"]
+
+
+def test_a_text_body_recorded_by_the_new_release_never_runs_again_on_the_previous(
+    stack: Stack,
+) -> None:
+    """The other way round 0.2.0 may not know the new fingerprint of a non-JSON body
+    (the CHANGELOG says such a retry may get ``422`` during the rollout), but it never
+    runs the view again and never answers anything but the stored answer."""
+    key = new_key()
+    first = stack.new.note(key, b"ship it")
+    assert first.status == 201, first
+    retry = stack.old.note(key, b"ship it")
+    if retry.status == 422:
+        assert retry.json()["error"]["code"] == "key_reused"
+    else:
+        assert_replays(retry, first)
+    assert stack.runs(key) == ["current"]
