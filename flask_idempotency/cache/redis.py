@@ -7,11 +7,14 @@ outcome. Every Redis failure is therefore a miss: logged (rate-limited),
 counted by a circuit breaker, never raised.
 
 Cost per call is one round trip: ``get`` is one ``GET``, ``put`` one
-``SET ... PX``, ``evict`` one ``DEL`` of all the keys. A client built from a URL
-has no retries and no health-check ``PING`` (either would multiply a slow
-Redis's cost), a socket and connect timeout of tens of milliseconds, and a
-lean connect handshake (no ``HELLO``, no ``CLIENT SETINFO``) where this
-redis-py supports turning them off.
+``SET ... PX``, ``evict`` one ``DEL`` of all the keys. Every command goes
+through redis-py's public API (``get``, ``set``, ``delete``) and its own
+connection pool, which is thread-safe and notices a fork by the process id at
+checkout. A client built from a URL is configured with documented options
+only: no retries and no health-check ``PING`` (either would multiply a slow
+Redis's cost), a socket and connect timeout of tens of milliseconds, and a lean
+connect handshake (RESP2, no ``CLIENT SETINFO``) where this redis-py has those
+options.
 
 Keys are ``{prefix}:{<hex of the record key>}``. The record key is already a
 SHA-256 of the scope and the client's key, so no client key reaches Redis, and
@@ -32,18 +35,16 @@ from typing import Any, TypeVar
 import redis
 import redis.backoff
 import redis.cluster
-import redis.connection
 import redis.exceptions
 import redis.retry
 
+from ..circuit import BreakerState, CircuitBreaker, Transition
 from ..digests import log_key
 from ..observer import Observer
 from ..settings import Settings
 from ..store.base import StoredResponse
 from . import codec, topology
 from .base import CachedRecord
-from .breaker import BreakerState, CircuitBreaker, Transition
-from .wire import ThreadConnections
 
 log = logging.getLogger("flask_idempotency.cache")
 
@@ -64,11 +65,9 @@ _SOCKET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutErro
 class RedisCache:
     """A :class:`~flask_idempotency.cache.base.ResponseCache` over one Redis client.
 
-    Thread-safe and fork-safe: a client built from a URL sends on one
-    connection per thread, tagged with its PID (``wire``); an application's
-    client goes through redis-py's pool, which compares its PID on every
-    checkout. Either way a gunicorn worker never shares its master's socket,
-    and no connection is opened until the first call.
+    Thread-safe and fork-safe through redis-py's pool, which compares its PID on
+    every checkout: a gunicorn worker never shares its master's socket, and no
+    connection is opened until the first call.
     """
 
     def __init__(
@@ -80,20 +79,11 @@ class RedisCache:
         max_body: int | None = None,
         breaker: CircuitBreaker | None = None,
         owns_client: bool = False,
-        fast_path: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
-        # Our own plain client sends on one connection per thread (see ``wire``);
-        # an application's, and a Sentinel or Cluster client (whose server moves),
-        # goes through its public API, instrumentation and all.
-        use_wire = owns_client if fast_path is None else fast_path
-        self._wire = ThreadConnections(client.connection_pool) if use_wire else None
-        #: A Redis Cluster refuses multi-key commands across slots: evict per slot.
+        #: A Redis Cluster reloads its slot map and reconnects by itself.
         self._cluster = isinstance(client, redis.cluster.RedisCluster)
-        self._execute: Callable[..., Any] = (
-            self._wire.execute if self._wire is not None else client.execute_command
-        )
         self.prefix = prefix
         self.compress_over = compress_over
         self.max_body = max_body
@@ -123,12 +113,12 @@ class RedisCache:
             client = topology.client_for(
                 settings.redis_url, settings.redis_timeout, _lean_handshake_kwargs()
             )
-            return cls._from_settings(settings, client, owns=True, fast_path=False, clock=clock)
+            return cls._from_settings(settings, client, owns=True, clock=clock)
         elif settings.redis_url is not None:
             client, owns = client_from_url(settings.redis_url, settings.redis_timeout), True
         else:
             raise ValueError("Set IDEMPOTENCY_REDIS_URL or IDEMPOTENCY_REDIS")
-        return cls._from_settings(settings, client, owns=owns, fast_path=None, clock=clock)
+        return cls._from_settings(settings, client, owns=owns, clock=clock)
 
     @classmethod
     def _from_settings(
@@ -137,7 +127,6 @@ class RedisCache:
         client: Any,
         *,
         owns: bool,
-        fast_path: bool | None,
         clock: Callable[[], float],
     ) -> RedisCache:
         return cls(
@@ -149,7 +138,6 @@ class RedisCache:
                 settings.redis_breaker_threshold, settings.redis_breaker_cooldown, clock=clock
             ),
             owns_client=owns,
-            fast_path=fast_path,
             clock=clock,
         )
 
@@ -172,7 +160,7 @@ class RedisCache:
 
     def _get(self, record_key: bytes) -> CachedRecord | None:
         key = self.key(record_key)
-        value = self._call("GET", record_key, lambda: self._execute("GET", key))
+        value = self._call("GET", record_key, lambda: self.client.get(key))
         if value is None:
             return None
         try:
@@ -203,7 +191,7 @@ class RedisCache:
             )
             return
         key = self.key(record_key)
-        self._call("SET", record_key, lambda: self._execute("SET", key, value, "PX", px))
+        self._call("SET", record_key, lambda: self.client.set(key, value, px=px))
 
     def evict(self, record_keys: Sequence[bytes]) -> None:
         """One ``DEL`` of every key on a single server. On a Redis Cluster the
@@ -214,10 +202,7 @@ class RedisCache:
         if not record_keys:
             return
         keys = [self.key(k) for k in record_keys]
-        if self._cluster:
-            self._call("DEL", record_keys[0], lambda: self.client.delete(*keys))
-        else:
-            self._call("DEL", record_keys[0], lambda: self._execute("DEL", *keys))
+        self._call("DEL", record_keys[0], lambda: self.client.delete(*keys))
 
     def ping(self) -> None:
         """One ``PING`` through the client, raising what redis-py raises (the breaker
@@ -228,8 +213,6 @@ class RedisCache:
         """Close the client if we built it; an application's own client stays its own."""
         if self._owns_client:
             try:
-                if self._wire is not None:
-                    self._wire.close()
                 self.client.close()
             except Exception as exc:  # closing a dead connection must not fail shutdown
                 log.debug("idempotency: closing the redis client failed: %s", exc)
@@ -276,8 +259,6 @@ class RedisCache:
         return result
 
     def _drop_idle_connections(self) -> None:
-        if self._wire is not None:
-            self._wire.reset()
         try:
             if self._cluster:
                 return  # it reloads its slot map and reconnects by itself
@@ -316,13 +297,15 @@ def client_from_url(url: str, timeout: float) -> redis.Redis[bytes]:
 
 
 def _lean_handshake_kwargs() -> dict[str, Any]:
-    """Connection options that trim the connect handshake, if this redis-py has them.
+    """Documented ``redis.Redis`` options that trim the connect handshake, if this
+    redis-py has them.
 
     The package supports ``redis>=4.5``, where these parameters do not exist
-    yet; they are detected rather than assumed, and passing them explicitly
-    also avoids the deprecation warnings of their older spellings.
+    yet; they are detected on ``redis.Redis``'s signature rather than assumed,
+    and passing them explicitly also avoids the deprecation warnings of their
+    older spellings.
     """
-    params = _connection_params()
+    params = frozenset(inspect.signature(redis.Redis.__init__).parameters)
     options: dict[str, Any] = {}
     if "protocol" in params:
         options["protocol"] = 2
@@ -332,11 +315,6 @@ def _lean_handshake_kwargs() -> dict[str, Any]:
         options["lib_name"] = None
         options["lib_version"] = None
     return options
-
-
-def _connection_params() -> frozenset[str]:
-    base = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
-    return frozenset(inspect.signature(base.__init__).parameters)
 
 
 def _short(exc: Exception, limit: int = 200) -> str:

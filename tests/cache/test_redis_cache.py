@@ -2,7 +2,8 @@
 
 Against the run's real PostgreSQL and Redis. PostgreSQL statements are counted
 by a psycopg2 connection subclass handed to the pool (IDEMPOTENCY_CONNECT_KWARGS),
-Redis commands by wrapping the cache client's ``execute_command``, and connect
+Redis commands by wrapping the cache client's ``execute_command`` (the public
+method every redis-py command goes through), and connect
 attempts by wrapping redis-py's ``Connection._connect``. Outages are a cut
 ``TcpProxy`` (the shared Redis keeps running) or a ``ThrowawayRedis`` of the
 test's own that is killed; the breaker's clock is moved, never slept on.
@@ -32,8 +33,8 @@ from werkzeug.test import TestResponse
 
 from flask_idempotency import Idempotency, Settings
 from flask_idempotency.cache import codec
-from flask_idempotency.cache.breaker import BreakerState, CircuitBreaker, Transition
 from flask_idempotency.cache.redis import RedisCache
+from flask_idempotency.circuit import BreakerState, CircuitBreaker, Transition
 from flask_idempotency.keys import default_scope_from_header, record_key
 from flask_idempotency.store.base import StoredResponse
 from support.forking import in_forked_child
@@ -176,16 +177,18 @@ def redis_cache(app: Flask, clock: FakeClock | None = None) -> RedisCache:
 
 
 def redis_commands(monkeypatch: pytest.MonkeyPatch, cache: RedisCache) -> list[str]:
-    """Names of the commands the cache sends from now on, on whichever path it
-    uses (its own per-thread connections, or an application's client)."""
+    """Names of the commands the cache sends from now on: every redis-py command
+    method (``get``, ``set``, ``delete``) goes through the client's public
+    ``execute_command``, which this wraps on the one client object (a spy; the
+    real Redis still answers)."""
     sent: list[str] = []
-    original = cache._execute
+    original = cache.client.execute_command
 
-    def counting(*args: Any) -> Any:
+    def counting(*args: Any, **options: Any) -> Any:
         sent.append(str(args[0]))
-        return original(*args)
+        return original(*args, **options)
 
-    monkeypatch.setattr(cache, "_execute", counting)
+    monkeypatch.setattr(cache.client, "execute_command", counting)
     return sent
 
 
