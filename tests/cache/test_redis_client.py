@@ -17,6 +17,8 @@ from flask_idempotency.cache.redis import RedisCache
 from flask_idempotency.store.base import StoredResponse
 from support.servers import ProxyFactory, ThrowawayRedis
 
+from .caches import standalone
+
 FINGERPRINT = b"f" * 32
 
 
@@ -31,9 +33,7 @@ def body_of(cache: RedisCache, key: bytes) -> bytes | None:
 
 @pytest.fixture
 def cache(clean_redis: str) -> Iterator[RedisCache]:
-    built = RedisCache.from_settings(
-        Settings(database_url="unused", redis_url=clean_redis, redis_timeout=0.5)
-    )
+    built = standalone(Settings(database_url="unused", redis_url=clean_redis, redis_timeout=0.5))
     yield built
     built.close()
 
@@ -65,7 +65,7 @@ def test_a_timed_out_reply_is_never_read_as_the_next_commands(
     """A GET that times out leaves its reply in flight; redis-py drops that socket,
     so the late reply can never be taken for the answer to the next GET."""
     proxy = tcp_proxy(clean_redis)
-    cache = RedisCache.from_settings(
+    cache = standalone(
         Settings(
             database_url="unused",
             redis_url=proxy.url,
@@ -89,7 +89,7 @@ def test_a_timed_out_reply_is_never_read_as_the_next_commands(
 
 def test_a_restarted_redis_is_used_again_without_opening_the_breaker() -> None:
     with ThrowawayRedis() as server:
-        cache = RedisCache.from_settings(
+        cache = standalone(
             Settings(database_url="unused", redis_url=server.url, redis_breaker_threshold=2)
         )
         key = b"k" * 32
