@@ -83,6 +83,7 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
     app.config.update(
         IDEMPOTENCY_DATABASE_URL=dsn,
         IDEMPOTENCY_AUTO_MIGRATE=True,
+        SECRET_KEY="core-app-secret",  # the Redis cache is off without one
     )
     for name, value in os.environ.items():
         if name.startswith("CORE_APP_IDEMPOTENCY_"):
