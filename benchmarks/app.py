@@ -234,6 +234,8 @@ def create_app(subject: str | None = None, config: Mapping[str, Any] | None = No
         raise RuntimeError(f"subject unavailable: {reason}")
     app = Flask(__name__)
     app.config["BENCH_SUBJECT"] = subject
+    # The extension's Redis entries are signed with a key derived from it (no cache without).
+    app.config["SECRET_KEY"] = os.environ.get("SECRET_KEY", "benchmark-secret")
 
     @app.get(HEALTH_PATH)
     def healthz() -> str:

@@ -15,7 +15,7 @@ from flask import Flask
 
 from example_app import charges, observability, orders, receipts
 from example_app.auth import api_key_scope
-from example_app.config import apply_defaults, check_timeouts, config_from_env
+from example_app.config import apply_defaults, check_timeouts, config_from_env, secret_key
 from example_app.embedded import embedded_database_url
 from example_app.errors import register_error_handlers
 from example_app.extensions import idempotency
@@ -39,6 +39,8 @@ def create_app(
     app.config.from_mapping(receipts.config_from_env(os.environ))
     if test_config is not None:
         app.config.from_mapping(test_config)
+    if not app.config.get("SECRET_KEY"):
+        app.config["SECRET_KEY"] = secret_key(os.environ, app.instance_path)
     timeout = check_timeouts(app.config)
     apply_defaults(app.config, api_key_scope)
     receipts.apply_defaults(app.config)

@@ -8,6 +8,8 @@ first charge (or, worse, as a takeover of a request still waiting on the process
 from __future__ import annotations
 
 import math
+import os
+import secrets
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,28 @@ def apply_defaults(config: MutableMapping[str, Any], scope_func: Any) -> None:
         config["IDEMPOTENCY_REDIS_URL"] = config.get("REDIS_URL") or None
     if config.get("IDEMPOTENCY_DATABASE_URL") is None:
         config["IDEMPOTENCY_DATABASE_URL"] = config.get("DATABASE_URL") or None
+
+
+def secret_key(environ: Mapping[str, str], instance_path: str) -> str:
+    """``SECRET_KEY`` from the environment, else one generated once into the instance
+    folder and read by every worker: the extension signs its Redis entries with a
+    key derived from it, so all workers must share it (CONTRACT §2 and §7)."""
+    given = _text(environ, "SECRET_KEY")
+    if given:
+        return given
+    path = Path(instance_path) / "secret_key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draft = path.with_name(f".secret_key.{os.getpid()}")
+        draft.write_text(secrets.token_hex(32))
+        draft.chmod(0o600)
+        try:
+            os.link(draft, path)  # atomic, and refused if a worker starting beside us won
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
+    return path.read_text().strip()
 
 
 def check_timeouts(config: Mapping[str, Any]) -> float:

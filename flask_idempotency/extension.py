@@ -131,7 +131,7 @@ class Idempotency:
         state = AppState(
             settings=settings,
             store=store,
-            cache=cache_from_settings(settings),
+            cache=cache_from_settings(settings, app.config, store),
             keeper=LeaseKeeper(store, settings.renew_interval),
             metrics=Metrics(),
             profile=PROFILES[settings.profile],

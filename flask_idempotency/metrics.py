@@ -267,6 +267,10 @@ class _Fanout(Observer):
         for observer in self._metrics.observers:
             observer.cache_lookup(hit)
 
+    def cache_rejected(self, reason: str) -> None:
+        for observer in self._metrics.observers:
+            observer.cache_rejected(reason)
+
     def redis_failed(self, command: str) -> None:
         for observer in self._metrics.observers:
             observer.redis_failed(command)

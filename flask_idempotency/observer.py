@@ -174,6 +174,10 @@ class Observer:
     def cache_lookup(self, hit: bool) -> None:
         """The response cache was asked for a record (a failure is a miss)."""
 
+    def cache_rejected(self, reason: str) -> None:
+        """A cached entry was not replayed (``unverified``, ``version``, ``expired``,
+        ``corrupt``): a miss, and PostgreSQL answered."""
+
     def redis_failed(self, command: str) -> None:
         """A Redis command failed (and was treated as a miss)."""
 

@@ -96,7 +96,8 @@ class Settings:
     migration_dirs: tuple[str, ...] = ()
     #: ``IDEMPOTENCY_AUTO_MIGRATE``: apply migrations during ``init_app``.
     auto_migrate: bool = False
-    #: ``IDEMPOTENCY_REDIS_URL``: Redis URL for the replay cache; off when unset.
+    #: ``IDEMPOTENCY_REDIS_URL``: Redis URL for the replay cache; off when unset, and off
+    #: without the app's ``SECRET_KEY`` (entries are signed with a key derived from it).
     redis_url: str | None = None
     #: ``IDEMPOTENCY_REDIS``: an existing ``redis.Redis`` client instead of a URL.
     redis: Any = None

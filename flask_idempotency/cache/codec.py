@@ -6,11 +6,12 @@ exactly - an unknown version or flag, a truncated or padded value, a body that
 inflates past the limit - is rejected, which the cache turns into a miss:
 PostgreSQL still has the record.
 
-Layout of version 1 (integers big-endian, lengths unsigned 16-bit)::
+Layout of version 2 (integers big-endian, lengths unsigned 16-bit)::
 
-    u8  version           1
+    u8  version           2
     u8  flags             bit 0: body is zlib-compressed; other bits must be 0
     u16 status
+    u64 expires at        Unix time in milliseconds: the record's end of life
     u16 fingerprint length, fingerprint bytes
     u16 header count, then per header:
         u16 name length, name (UTF-8)   u16 value length, value (UTF-8)
@@ -18,18 +19,28 @@ Layout of version 1 (integers big-endian, lengths unsigned 16-bit)::
 
 Every field is framed and the value must end exactly where the body does, so
 any truncated or padded value is rejected rather than replayed as a shorter
-body.
+body. In Redis the value is followed by its HMAC tag (``keyring.py``), checked
+before anything here parses it.
+
+Version 1 (0.2.x) had no expiry and no tag. Its entries are never read by this
+version (they live under other Redis keys, and their version byte is refused),
+and this version's entries are never read by 0.2.x (which reads only its own
+keys, and refuses version 2): during a rolling upgrade each side's entries are
+misses for the other, and PostgreSQL answers.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
+from typing import NamedTuple
 
 from ..store.base import StoredResponse
 from .base import CachedRecord
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: What every value of this format starts with.
+VERSION_BYTE = bytes([FORMAT_VERSION])
 
 #: The body that follows the headers is zlib data.
 FLAG_COMPRESSED = 0x01
@@ -40,7 +51,7 @@ _KNOWN_FLAGS = FLAG_COMPRESSED
 #: fast whatever the level.
 COMPRESS_LEVEL = 1
 
-_PREFIX = struct.Struct(">BBH")
+_PREFIX = struct.Struct(">BBHQ")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _U16_MAX = 0xFFFF
@@ -65,10 +76,19 @@ class UnknownVersion(CorruptEntry):
     """Written by another release of this library (or by something else entirely)."""
 
 
-def encode(fingerprint: bytes, response: StoredResponse, *, compress_over: int) -> bytes:
-    """Frame one completed response. Bodies above ``compress_over`` bytes are
-    deflated when that makes them smaller (random or already-compressed bodies
-    do not shrink, and then are kept as they are)."""
+class Entry(NamedTuple):
+    record: CachedRecord
+    #: When the record it copies expires, Unix milliseconds.
+    expires_at: int
+
+
+def encode(
+    fingerprint: bytes, response: StoredResponse, *, expires_at: int, compress_over: int
+) -> bytes:
+    """Frame one completed response that may be replayed until ``expires_at``
+    (Unix ms). Bodies above ``compress_over`` bytes are deflated when that makes
+    them smaller (random or already-compressed bodies do not shrink, and then
+    are kept as they are)."""
     body = response.body
     flags = 0
     if len(body) > compress_over:
@@ -77,7 +97,10 @@ def encode(fingerprint: bytes, response: StoredResponse, *, compress_over: int) 
             body, flags = deflated, FLAG_COMPRESSED
     if not 0 <= response.status <= _U16_MAX:
         raise CodecError(f"status {response.status} does not fit")
-    parts = [_PREFIX.pack(FORMAT_VERSION, flags, response.status), _framed(fingerprint)]
+    parts = [
+        _PREFIX.pack(FORMAT_VERSION, flags, response.status, expires_at),
+        _framed(fingerprint),
+    ]
     parts.append(_length(len(response.headers)))
     for name, value in response.headers:
         parts.append(_framed(name.encode("utf-8", _TEXT_ERRORS)))
@@ -89,18 +112,18 @@ def encode(fingerprint: bytes, response: StoredResponse, *, compress_over: int) 
     return b"".join(parts)
 
 
-def decode(value: bytes, *, max_body: int | None = None) -> CachedRecord:
+def decode(value: bytes, *, max_body: int | None = None) -> Entry:
     """Parse a cached value, or raise :class:`CorruptEntry`.
 
     ``max_body`` bounds how far a compressed body may inflate: a value crafted
     to inflate to gigabytes is rejected after ``max_body + 1`` bytes instead of
     exhausting the worker's memory.
     """
+    if value and value[0] != FORMAT_VERSION:
+        raise UnknownVersion(f"format version {value[0]}")
     if len(value) < _PREFIX.size:
         raise CorruptEntry("shorter than the fixed prefix")
-    version, flags, status = _PREFIX.unpack_from(value, 0)
-    if version != FORMAT_VERSION:
-        raise UnknownVersion(f"format version {version}")
+    _, flags, status, expires_at = _PREFIX.unpack_from(value, 0)
     if flags & ~_KNOWN_FLAGS:
         raise CorruptEntry(f"unknown flags {flags:#04x}")
     reader = _Reader(value, _PREFIX.size)
@@ -120,7 +143,9 @@ def decode(value: bytes, *, max_body: int | None = None) -> CachedRecord:
         body = _inflate(body, max_body)
     elif max_body is not None and len(body) > max_body:
         raise CorruptEntry("body larger than any stored body")
-    return CachedRecord(fingerprint, StoredResponse(status, tuple(headers), body))
+    return Entry(
+        CachedRecord(fingerprint, StoredResponse(status, tuple(headers), body)), expires_at
+    )
 
 
 def _length(n: int) -> bytes:

@@ -7,17 +7,28 @@ outcome. Every Redis failure is therefore a miss: logged (rate-limited),
 counted by a circuit breaker, never raised.
 
 Cost per call is one round trip: ``get`` is one ``GET``, ``put`` one
-``SET ... PX``, ``evict`` one ``DEL`` of all the keys. A client built from a URL
-has no retries and no health-check ``PING`` (either would multiply a slow
-Redis's cost), a socket and connect timeout of tens of milliseconds, and a
-lean connect handshake (no ``HELLO``, no ``CLIENT SETINFO``) where this
-redis-py supports turning them off.
+``SET ... PX``, ``evict`` one ``DEL`` of all the keys. Every command goes
+through redis-py's public API (``get``, ``set``, ``delete``) and its own
+connection pool, which is thread-safe and notices a fork by the process id at
+checkout. A client built from a URL is configured with documented options
+only: no retries and no health-check ``PING`` (either would multiply a slow
+Redis's cost), a socket and connect timeout of tens of milliseconds, and a lean
+connect handshake (RESP2, no ``CLIENT SETINFO``) where this redis-py has those
+options.
 
-Keys are ``{prefix}:{<hex of the record key>}``. The record key is already a
-SHA-256 of the scope and the client's key, so no client key reaches Redis, and
-two scopes never share an entry. The braces are a Redis Cluster hash tag: a
-future companion key of the same record (``{prefix}:{<hex>}:lock``, say) lands
-on the same slot.
+Redis is not trusted either (contract section 7): every entry is sealed with
+an HMAC under a key derived from the application's secret and the database's
+identity (``keyring.py``), and carries the record's expiry. An entry that does
+not verify, is of another format version, or has outlived its record is a miss
+(counted, and logged now and then), so PostgreSQL answers; a replay from Redis
+never carries ``Set-Cookie`` or the per-request headers, whatever the entry holds.
+
+Keys are ``{prefix}:{<database identity>}:{<hex of the record key>}``. The
+record key is already a SHA-256 of the scope and the client's key, so no client
+key reaches Redis, and two scopes never share an entry; the identity keeps two
+deployments (two databases) that share one Redis apart, and 0.2.x's keys
+(``{prefix}:{<hex>}``) apart from these. The braces are a Redis Cluster hash
+tag: a future companion key of the same record lands on the same slot.
 """
 
 from __future__ import annotations
@@ -32,18 +43,18 @@ from typing import Any, TypeVar
 import redis
 import redis.backoff
 import redis.cluster
-import redis.connection
 import redis.exceptions
 import redis.retry
 
+from ..circuit import BreakerState, CircuitBreaker, Transition
 from ..digests import log_key
 from ..observer import Observer
+from ..responses import NOT_STORED_HEADERS
 from ..settings import Settings
 from ..store.base import StoredResponse
 from . import codec, topology
 from .base import CachedRecord
-from .breaker import BreakerState, CircuitBreaker, Transition
-from .wire import ThreadConnections
+from .keyring import Keyring, LazyKeyring, Unauthentic
 
 log = logging.getLogger("flask_idempotency.cache")
 
@@ -60,40 +71,49 @@ LOG_INTERVAL = 10.0
 #: breaker for nothing.
 _SOCKET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
+#: Response headers that belong to the request rather than the answer (CORS's):
+#: never replayed, whatever an entry holds, so the application's own CORS layer
+#: adds this request's.
+PER_REQUEST_HEADER_PREFIXES = ("access-control-",)
+
+
+def replayable(name: str) -> bool:
+    """May a header from the cache go out in a replay? The same rule as for what is
+    stored (``responses.NOT_STORED_HEADERS``: never ``Set-Cookie``), applied again
+    on the way out."""
+    lowered = name.lower()
+    return lowered not in NOT_STORED_HEADERS and not lowered.startswith(PER_REQUEST_HEADER_PREFIXES)
+
 
 class RedisCache:
     """A :class:`~flask_idempotency.cache.base.ResponseCache` over one Redis client.
 
-    Thread-safe and fork-safe: a client built from a URL sends on one
-    connection per thread, tagged with its PID (``wire``); an application's
-    client goes through redis-py's pool, which compares its PID on every
-    checkout. Either way a gunicorn worker never shares its master's socket,
-    and no connection is opened until the first call.
+    Thread-safe and fork-safe through redis-py's pool, which compares its PID on
+    every checkout: a gunicorn worker never shares its master's socket, and no
+    connection is opened until the first call.
     """
 
     def __init__(
         self,
         client: redis.Redis[bytes],
         *,
+        secrets: Sequence[bytes],
+        identity: Callable[[], bytes],
         prefix: str = "idempotency",
         compress_over: int = 4096,
         max_body: int | None = None,
         breaker: CircuitBreaker | None = None,
         owns_client: bool = False,
-        fast_path: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
-        # Our own plain client sends on one connection per thread (see ``wire``);
-        # an application's, and a Sentinel or Cluster client (whose server moves),
-        # goes through its public API, instrumentation and all.
-        use_wire = owns_client if fast_path is None else fast_path
-        self._wire = ThreadConnections(client.connection_pool) if use_wire else None
-        #: A Redis Cluster refuses multi-key commands across slots: evict per slot.
+        #: Derived from ``secrets`` and the database's ``identity`` on first use.
+        self.keyring = LazyKeyring(secrets, identity, clock=clock)
+        #: Entries expire at a wall-clock time, shared by every worker and host.
+        self._wall_clock = wall_clock
+        #: A Redis Cluster reloads its slot map and reconnects by itself.
         self._cluster = isinstance(client, redis.cluster.RedisCluster)
-        self._execute: Callable[..., Any] = (
-            self._wire.execute if self._wire is not None else client.execute_command
-        )
         self.prefix = prefix
         self.compress_over = compress_over
         self.max_body = max_body
@@ -104,44 +124,25 @@ class RedisCache:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, *, clock: Callable[[], float] = time.monotonic
+        cls,
+        settings: Settings,
+        *,
+        secrets: Sequence[bytes],
+        identity: Callable[[], bytes],
+        clock: Callable[[], float] = time.monotonic,
     ) -> RedisCache:
         """From ``IDEMPOTENCY_REDIS`` (used as it is: its timeouts are the
         application's) or ``IDEMPOTENCY_REDIS_URL`` (a client built for a cache).
 
         A URL's query string still wins over these defaults, so an operator can
-        set, say, ``?socket_timeout=0.2`` without a code change.
+        set, say, ``?socket_timeout=0.2`` without a code change. ``secrets`` and
+        ``identity``: what the entries are sealed with (``keyring.py``).
         """
-        if settings.redis is not None:
-            client, owns = settings.redis, False
-            connection_kwargs: dict[str, Any] = getattr(client, "get_connection_kwargs", dict)()
-            if connection_kwargs.get("decode_responses"):
-                raise ValueError(
-                    "IDEMPOTENCY_REDIS must not decode responses: cached entries are binary"
-                )
-        elif settings.redis_url is not None and topology.is_topology_url(settings.redis_url):
-            client = topology.client_for(
-                settings.redis_url, settings.redis_timeout, _lean_handshake_kwargs()
-            )
-            return cls._from_settings(settings, client, owns=True, fast_path=False, clock=clock)
-        elif settings.redis_url is not None:
-            client, owns = client_from_url(settings.redis_url, settings.redis_timeout), True
-        else:
-            raise ValueError("Set IDEMPOTENCY_REDIS_URL or IDEMPOTENCY_REDIS")
-        return cls._from_settings(settings, client, owns=owns, fast_path=None, clock=clock)
-
-    @classmethod
-    def _from_settings(
-        cls,
-        settings: Settings,
-        client: Any,
-        *,
-        owns: bool,
-        fast_path: bool | None,
-        clock: Callable[[], float],
-    ) -> RedisCache:
+        client, owns = client_for_settings(settings)
         return cls(
             client,
+            secrets=secrets,
+            identity=identity,
             prefix=settings.redis_prefix,
             compress_over=settings.redis_compress_over,
             max_body=settings.max_stored_body,
@@ -149,12 +150,19 @@ class RedisCache:
                 settings.redis_breaker_threshold, settings.redis_breaker_cooldown, clock=clock
             ),
             owns_client=owns,
-            fast_path=fast_path,
             clock=clock,
         )
 
     def key(self, record_key: bytes) -> str:
-        return f"{self.prefix}:{{{record_key.hex()}}}"
+        """The Redis key of a record's entry (``RuntimeError`` while the database's
+        identity is unknown: the cache is then skipped)."""
+        ring = self.keyring.get()
+        if ring is None:
+            raise RuntimeError("the database's identity is not known yet")
+        return self._key(ring, record_key)
+
+    def _key(self, ring: Keyring, record_key: bytes) -> str:
+        return f"{self.prefix}:{ring.namespace}:{{{record_key.hex()}}}"
 
     def attach_observer(self, observer: Observer) -> None:
         """Report lookups, failures and the breaker's state to ``observer``
@@ -171,22 +179,49 @@ class RedisCache:
         return record
 
     def _get(self, record_key: bytes) -> CachedRecord | None:
-        key = self.key(record_key)
-        value = self._call("GET", record_key, lambda: self._execute("GET", key))
+        ring = self.keyring.get()
+        if ring is None:
+            return None
+        key = self._key(ring, record_key)
+        value = self._call("GET", record_key, lambda: self.client.get(key))
         if value is None:
             return None
-        try:
-            return codec.decode(value, max_body=self.max_body)
-        except codec.CorruptEntry as exc:
-            # Redis answered, so the breaker is not concerned. The entry stays:
-            # the PostgreSQL replay that follows this miss overwrites it.
-            self._log.warning(
-                "idempotency: unreadable cache entry for key %s (%s: %s); treated as a miss",
-                log_key(record_key),
-                type(exc).__name__,
-                exc,
-            )
+        # Redis answered, so the breaker is not concerned with what follows. A
+        # rejected entry stays: the PostgreSQL replay after this miss overwrites it.
+        if not value.startswith(codec.VERSION_BYTE):
+            self._reject(record_key, "version", "written by another version")
             return None
+        try:
+            entry = codec.decode(ring.open(key.encode(), value), max_body=self.max_body)
+        except Unauthentic as exc:
+            self._reject(record_key, "unverified", str(exc))
+            return None
+        except codec.CorruptEntry as exc:  # sealed by us, yet unreadable: a bug, not an attack
+            self._reject(record_key, "corrupt", f"{type(exc).__name__}: {exc}")
+            return None
+        if entry.expires_at <= self._wall_clock() * 1000:
+            self._reject(record_key, "expired", "older than its record")
+            return None
+        record = entry.record
+        headers = tuple(pair for pair in record.response.headers if replayable(pair[0]))
+        if len(headers) != len(record.response.headers):
+            response = record.response
+            record = CachedRecord(
+                record.fingerprint, StoredResponse(response.status, headers, response.body)
+            )
+        return record
+
+    def _reject(self, record_key: bytes, reason: str, detail: str) -> None:
+        """An entry that must not be replayed: a miss, counted and logged now and then."""
+        self._log.warning(
+            "idempotency: cache entry for key %s rejected (%s: %s); treated as a miss",
+            log_key(record_key),
+            reason,
+            detail,
+        )
+        if self._observer is not None:
+            self._observer.cache_rejected(reason)
+        return None
 
     def put(
         self, record_key: bytes, fingerprint: bytes, response: StoredResponse, ttl: float
@@ -195,15 +230,22 @@ class RedisCache:
         px = int(ttl * 1000)
         if px <= 0:
             return
+        ring = self.keyring.get()
+        if ring is None:
+            return
+        expires_at = int(self._wall_clock() * 1000) + px
         try:
-            value = codec.encode(fingerprint, response, compress_over=self.compress_over)
+            payload = codec.encode(
+                fingerprint, response, expires_at=expires_at, compress_over=self.compress_over
+            )
         except codec.CodecError as exc:
             self._log.warning(
                 "idempotency: response for key %s not cached: %s", log_key(record_key), exc
             )
             return
-        key = self.key(record_key)
-        self._call("SET", record_key, lambda: self._execute("SET", key, value, "PX", px))
+        key = self._key(ring, record_key)
+        value = ring.seal(key.encode(), payload)
+        self._call("SET", record_key, lambda: self.client.set(key, value, px=px))
 
     def evict(self, record_keys: Sequence[bytes]) -> None:
         """One ``DEL`` of every key on a single server. On a Redis Cluster the
@@ -211,13 +253,11 @@ class RedisCache:
         ``DEL`` is refused (CROSSSLOT): redis-py's ``RedisCluster.delete`` sends
         one ``DEL`` per slot instead. Eviction is hygiene, not correctness: an
         entry never outlives its record's TTL anyway."""
-        if not record_keys:
+        ring = self.keyring.get()
+        if not record_keys or ring is None:
             return
-        keys = [self.key(k) for k in record_keys]
-        if self._cluster:
-            self._call("DEL", record_keys[0], lambda: self.client.delete(*keys))
-        else:
-            self._call("DEL", record_keys[0], lambda: self._execute("DEL", *keys))
+        keys = [self._key(ring, k) for k in record_keys]
+        self._call("DEL", record_keys[0], lambda: self.client.delete(*keys))
 
     def ping(self) -> None:
         """One ``PING`` through the client, raising what redis-py raises (the breaker
@@ -228,8 +268,6 @@ class RedisCache:
         """Close the client if we built it; an application's own client stays its own."""
         if self._owns_client:
             try:
-                if self._wire is not None:
-                    self._wire.close()
                 self.client.close()
             except Exception as exc:  # closing a dead connection must not fail shutdown
                 log.debug("idempotency: closing the redis client failed: %s", exc)
@@ -276,8 +314,6 @@ class RedisCache:
         return result
 
     def _drop_idle_connections(self) -> None:
-        if self._wire is not None:
-            self._wire.reset()
         try:
             if self._cluster:
                 return  # it reloads its slot map and reconnects by itself
@@ -289,6 +325,25 @@ class RedisCache:
         state = self.breaker.state
         suffix = "" if state is BreakerState.CLOSED else f" breaker={state.value}"
         return f"<RedisCache prefix={self.prefix!r}{suffix}>"
+
+
+def client_for_settings(settings: Settings) -> tuple[Any, bool]:
+    """The client ``IDEMPOTENCY_REDIS`` or ``IDEMPOTENCY_REDIS_URL`` names, and
+    whether it is ours to close; ``ValueError`` (at ``init_app``) for a malformed
+    URL or a client that decodes responses. Connects to nothing."""
+    if settings.redis is not None:
+        connection_kwargs: dict[str, Any] = getattr(settings.redis, "get_connection_kwargs", dict)()
+        if connection_kwargs.get("decode_responses"):
+            raise ValueError(
+                "IDEMPOTENCY_REDIS must not decode responses: cached entries are binary"
+            )
+        return settings.redis, False
+    if settings.redis_url is None:
+        raise ValueError("Set IDEMPOTENCY_REDIS_URL or IDEMPOTENCY_REDIS")
+    if topology.is_topology_url(settings.redis_url):
+        timeout = settings.redis_timeout
+        return topology.client_for(settings.redis_url, timeout, _lean_handshake_kwargs()), True
+    return client_from_url(settings.redis_url, settings.redis_timeout), True
 
 
 def client_from_url(url: str, timeout: float) -> redis.Redis[bytes]:
@@ -316,13 +371,15 @@ def client_from_url(url: str, timeout: float) -> redis.Redis[bytes]:
 
 
 def _lean_handshake_kwargs() -> dict[str, Any]:
-    """Connection options that trim the connect handshake, if this redis-py has them.
+    """Documented ``redis.Redis`` options that trim the connect handshake, if this
+    redis-py has them.
 
     The package supports ``redis>=4.5``, where these parameters do not exist
-    yet; they are detected rather than assumed, and passing them explicitly
-    also avoids the deprecation warnings of their older spellings.
+    yet; they are detected on ``redis.Redis``'s signature rather than assumed,
+    and passing them explicitly also avoids the deprecation warnings of their
+    older spellings.
     """
-    params = _connection_params()
+    params = frozenset(inspect.signature(redis.Redis.__init__).parameters)
     options: dict[str, Any] = {}
     if "protocol" in params:
         options["protocol"] = 2
@@ -332,11 +389,6 @@ def _lean_handshake_kwargs() -> dict[str, Any]:
         options["lib_name"] = None
         options["lib_version"] = None
     return options
-
-
-def _connection_params() -> frozenset[str]:
-    base = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
-    return frozenset(inspect.signature(base.__init__).parameters)
 
 
 def _short(exc: Exception, limit: int = 200) -> str:

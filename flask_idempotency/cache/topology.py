@@ -17,8 +17,7 @@ kombu and Celery (``sentinel://``) and of redis-py's own cluster URL, with a
 ``redis+`` prefix so that a URL says what it is.
 
 The clients get the cache's failure policy: the given timeout on every socket,
-no retries, no health-check ``PING``. They do not use the per-thread fast path
-of ``wire.py``, which speaks to one fixed server.
+no retries, no health-check ``PING``, all through redis-py's documented options.
 """
 
 from __future__ import annotations

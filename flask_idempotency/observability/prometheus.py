@@ -133,6 +133,11 @@ class _Instruments:
         )
         self.cache_hits = self.cache_lookups.labels("hit")
         self.cache_misses = self.cache_lookups.labels("miss")
+        self.cache_rejected = counter(
+            "cache_rejected",
+            "Cached entries not replayed (failed verification, another version, expired)",
+            ("reason",),
+        )
         self.redis_errors = counter(
             "redis_errors", "Redis commands that failed (treated as misses)", ("command",)
         )
@@ -354,6 +359,9 @@ class PrometheusMetrics(Observer):
 
     def cache_lookup(self, hit: bool) -> None:
         (self._m.cache_hits if hit else self._m.cache_misses).inc()
+
+    def cache_rejected(self, reason: str) -> None:
+        self._m.cache_rejected.labels(reason).inc()
 
     def redis_failed(self, command: str) -> None:
         self._m.redis_errors.labels(command).inc()

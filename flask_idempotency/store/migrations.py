@@ -39,6 +39,7 @@ TABLES = frozenset(
         "idempotency_outbox",
         "idempotency_recovery_totals",
         "idempotency_heartbeats",
+        "idempotency_deployment",
         "idempotency_schema_migrations",
     }
 )
@@ -49,7 +50,7 @@ TABLES = frozenset(
 # IDEMPOTENCY_MIGRATION_DIRS files; drop_in_transaction() drops it once empty.
 DROP_SCHEMA = """
 DROP TABLE IF EXISTS idempotency_outbox, idempotency_recovery_totals, idempotency_heartbeats,
-    idempotency_records;
+    idempotency_deployment, idempotency_records;
 DROP FUNCTION IF EXISTS
     idempotency_complete(bytea, bigint, smallint, jsonb, bytea),
     idempotency_checkpoint(bytea, bigint, text, jsonb),

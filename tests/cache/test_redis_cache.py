@@ -2,7 +2,8 @@
 
 Against the run's real PostgreSQL and Redis. PostgreSQL statements are counted
 by a psycopg2 connection subclass handed to the pool (IDEMPOTENCY_CONNECT_KWARGS),
-Redis commands by wrapping the cache client's ``execute_command``, and connect
+Redis commands by wrapping the cache client's ``execute_command`` (the public
+method every redis-py command goes through), and connect
 attempts by wrapping redis-py's ``Connection._connect``. Outages are a cut
 ``TcpProxy`` (the shared Redis keeps running) or a ``ThrowawayRedis`` of the
 test's own that is killed; the breaker's clock is moved, never slept on.
@@ -32,12 +33,15 @@ from werkzeug.test import TestResponse
 
 from flask_idempotency import Idempotency, Settings
 from flask_idempotency.cache import codec
-from flask_idempotency.cache.breaker import BreakerState, CircuitBreaker, Transition
+from flask_idempotency.cache.keyring import TAG_SIZE
 from flask_idempotency.cache.redis import RedisCache
+from flask_idempotency.circuit import BreakerState, CircuitBreaker, Transition
 from flask_idempotency.keys import default_scope_from_header, record_key
 from flask_idempotency.store.base import StoredResponse
 from support.forking import in_forked_child
 from support.servers import ProxyFactory, ThrowawayRedis
+
+from .caches import SECRET, rebuilt, standalone
 
 # -- counting PostgreSQL ------------------------------------------------------
 
@@ -94,6 +98,7 @@ def build_app(database_url: str, redis_url: str | None, config: dict[str, Any]) 
         # No keeper thread: every statement counted is the request's own.
         IDEMPOTENCY_LEASE_RENEW_INTERVAL=0,
         IDEMPOTENCY_CONNECT_KWARGS={"connection_factory": CountingConnection},
+        SECRET_KEY=SECRET,  # without one there is no Redis cache at all
     )
     if redis_url is not None:
         app.config["IDEMPOTENCY_REDIS_URL"] = redis_url
@@ -168,7 +173,7 @@ def redis_cache(app: Flask, clock: FakeClock | None = None) -> RedisCache:
     state = app.extensions["idempotency"]
     if clock is not None:
         old = state.cache
-        state.cache = RedisCache.from_settings(state.settings, clock=clock)
+        state.cache = rebuilt(app, clock=clock)
         old.close()
     cache = state.cache
     assert isinstance(cache, RedisCache)
@@ -176,16 +181,18 @@ def redis_cache(app: Flask, clock: FakeClock | None = None) -> RedisCache:
 
 
 def redis_commands(monkeypatch: pytest.MonkeyPatch, cache: RedisCache) -> list[str]:
-    """Names of the commands the cache sends from now on, on whichever path it
-    uses (its own per-thread connections, or an application's client)."""
+    """Names of the commands the cache sends from now on: every redis-py command
+    method (``get``, ``set``, ``delete``) goes through the client's public
+    ``execute_command``, which this wraps on the one client object (a spy; the
+    real Redis still answers)."""
     sent: list[str] = []
-    original = cache._execute
+    original = cache.client.execute_command
 
-    def counting(*args: Any) -> Any:
+    def counting(*args: Any, **options: Any) -> Any:
         sent.append(str(args[0]))
-        return original(*args)
+        return original(*args, **options)
 
-    monkeypatch.setattr(cache, "_execute", counting)
+    monkeypatch.setattr(cache.client, "execute_command", counting)
     return sent
 
 
@@ -459,7 +466,7 @@ def test_two_scopes_with_the_same_key_never_share_an_entry(
     assert len(names) == 2
     for name in names:
         # Hashed record key in a hash tag; neither the client key nor a token appears.
-        assert re.fullmatch(r"idempotency:\{[0-9a-f]{64}\}", name)
+        assert re.fullmatch(r"idempotency:[0-9a-f]{32}:\{[0-9a-f]{64}\}", name)
         assert "same-key" not in name and "alice" not in name
 
 
@@ -506,16 +513,17 @@ def test_unreadable_entry_is_a_miss_and_gets_replaced(
     good = r.get(cache_key)
     assert good is not None
     # A future format, then what a pickle would look like: neither is run or trusted.
-    for foreign in (b"\x02" + good[1:], b"\x80\x04\x95" + b"cos\nsystem\n"):
+    for foreign in (b"\x03" + good[1:], b"\x80\x04\x95" + b"cos\nsystem\n"):
         r.set(cache_key, foreign)
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="flask_idempotency"):
             again = pay(client, "k1", amount=1)
         assert outcome(again) == (201, "true", first.data)
-        assert "unreadable cache entry" in caplog.text
+        assert "rejected (version: written by another version)" in caplog.text
         assert first.data.decode() not in caplog.text and rkey("k1").hex() not in caplog.text
         refreshed = r.get(cache_key)
-        assert refreshed is not None and codec.decode(refreshed).response.body == first.data
+        assert refreshed is not None
+        assert codec.decode(refreshed[:-TAG_SIZE]).record.response.body == first.data
     assert len(app.extensions["runs"]) == 1
 
 
@@ -610,7 +618,7 @@ def test_failures_are_logged_rate_limited_and_without_keys_or_bodies(
     proxy = tcp_proxy(clean_redis)
     clock = FakeClock()
     settings = Settings(database_url="unused", redis_url=proxy.url, redis_breaker_threshold=100)
-    cache = RedisCache.from_settings(settings, clock=clock)
+    cache = standalone(settings, clock=clock)
     key, body = rkey("k1"), b"card 4242 4242 4242 4242"
     proxy.cut()
     with caplog.at_level(logging.DEBUG, logger="flask_idempotency"):
@@ -676,7 +684,7 @@ def test_url_client_has_short_timeouts_no_retries_and_connects_lazily(
     clean_redis: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     attempts = connect_attempts(monkeypatch, 1)  # port 1: nothing listens there
-    cache = RedisCache.from_settings(
+    cache = standalone(
         Settings(database_url="unused", redis_url="redis://127.0.0.1:1/0", redis_timeout=0.05)
     )
     assert attempts == []  # built, not connected
@@ -689,14 +697,14 @@ def test_url_client_has_short_timeouts_no_retries_and_connects_lazily(
     cache.close()
 
     with pytest.raises(ValueError):
-        RedisCache.from_settings(Settings(database_url="unused", redis_url="http://nope"))
+        standalone(Settings(database_url="unused", redis_url="http://nope"))
 
 
 def test_a_new_connection_costs_one_command(throwaway_redis: ThrowawayRedis) -> None:
     """Measured on the server: the first GET of a fresh client is the only command."""
     admin: redis.Redis[bytes] = redis.Redis.from_url(throwaway_redis.url)
     admin.config_resetstat()
-    cache = RedisCache.from_settings(Settings(database_url="unused", redis_url=throwaway_redis.url))
+    cache = standalone(Settings(database_url="unused", redis_url=throwaway_redis.url))
     cache.get(b"k" * 32)
     cache.put(b"k" * 32, b"f" * 32, StoredResponse(200, (), b"x"), 60)
     cache.evict([b"k" * 32, b"j" * 32])
@@ -733,7 +741,7 @@ def test_an_applications_own_client_is_used_as_is(
 
 
 def test_a_forked_child_opens_its_own_connection(clean_redis: str) -> None:
-    cache = RedisCache.from_settings(Settings(database_url="unused", redis_url=clean_redis))
+    cache = standalone(Settings(database_url="unused", redis_url=clean_redis))
     key = b"k" * 32
     cache.put(key, b"f" * 32, StoredResponse(200, (), b"parent"), 60)
     parent_id = cache.client.client_id()
@@ -752,6 +760,9 @@ def test_a_forked_child_opens_its_own_connection(clean_redis: str) -> None:
 
 
 # -- the codec ----------------------------------------------------------------------------
+
+#: An expiry in Unix milliseconds (the codec only frames it; the cache checks it).
+EXPIRES = 1_900_000_000_000
 
 headers_strategy = st.lists(st.tuples(st.text(max_size=40), st.text(max_size=200)), max_size=8).map(
     tuple
@@ -774,9 +785,12 @@ def test_codec_round_trips(
     compress_over: int,
 ) -> None:
     response = StoredResponse(status, headers, body)
-    decoded = codec.decode(codec.encode(fingerprint, response, compress_over=compress_over))
+    decoded, expires_at = codec.decode(
+        codec.encode(fingerprint, response, expires_at=EXPIRES, compress_over=compress_over)
+    )
     assert decoded.fingerprint == fingerprint
     assert decoded.response == response
+    assert expires_at == EXPIRES
 
 
 def test_codec_keeps_unicode_headers_and_compresses_only_when_it_pays() -> None:
@@ -785,22 +799,31 @@ def test_codec_keeps_unicode_headers_and_compresses_only_when_it_pays() -> None:
     json_body = b'{"amount": 1500, "currency": "eur"}' * 200
     random_body = b"".join(hashlib.sha256(b"%d" % i).digest() for i in range(300))
 
-    packed = codec.encode(fingerprint, StoredResponse(201, headers, json_body), compress_over=4096)
+    packed = codec.encode(
+        fingerprint, StoredResponse(201, headers, json_body), expires_at=EXPIRES, compress_over=4096
+    )
     assert packed[1] & codec.FLAG_COMPRESSED and len(packed) < len(json_body) // 10
-    assert codec.decode(packed).response.headers == headers
+    assert codec.decode(packed).record.response.headers == headers
 
-    kept = codec.encode(fingerprint, StoredResponse(201, (), random_body), compress_over=4096)
+    kept = codec.encode(
+        fingerprint, StoredResponse(201, (), random_body), expires_at=EXPIRES, compress_over=4096
+    )
     assert not kept[1] & codec.FLAG_COMPRESSED  # deflating random bytes would grow them
 
-    small = codec.encode(fingerprint, StoredResponse(201, (), json_body[:4096]), compress_over=4096)
+    small = codec.encode(
+        fingerprint,
+        StoredResponse(201, (), json_body[:4096]),
+        expires_at=EXPIRES,
+        compress_over=4096,
+    )
     assert not small[1] & codec.FLAG_COMPRESSED
 
 
 def test_codec_rejects_anything_it_did_not_write() -> None:
     fingerprint = b"f" * 32
     response = StoredResponse(201, (("ETag", '"1"'),), b'{"ok": true}' * 500)
-    plain = codec.encode(fingerprint, response, compress_over=1 << 20)
-    packed = codec.encode(fingerprint, response, compress_over=0)
+    plain = codec.encode(fingerprint, response, expires_at=EXPIRES, compress_over=1 << 20)
+    packed = codec.encode(fingerprint, response, expires_at=EXPIRES, compress_over=0)
     assert packed[1] & codec.FLAG_COMPRESSED
 
     for value in (plain, packed):
@@ -810,7 +833,7 @@ def test_codec_rejects_anything_it_did_not_write() -> None:
         with pytest.raises(codec.CorruptEntry):
             codec.decode(value + b"\x00")
     with pytest.raises(codec.UnknownVersion):
-        codec.decode(b"\x02" + plain[1:])
+        codec.decode(b"\x01" + plain[1:])  # 0.2.x's format
     with pytest.raises(codec.UnknownVersion):
         codec.decode(b"\x80\x04\x95\x00")  # a pickle
     with pytest.raises(codec.CorruptEntry, match="flags"):
@@ -819,7 +842,10 @@ def test_codec_rejects_anything_it_did_not_write() -> None:
         codec.decode(plain[:1] + b"\x01" + plain[2:])  # claims compression it lacks
     with pytest.raises(codec.CorruptEntry, match="UTF-8"):
         bad_header = codec.encode(
-            fingerprint, StoredResponse(200, (("X", "ab"),), b""), compress_over=0
+            fingerprint,
+            StoredResponse(200, (("X", "ab"),), b""),
+            expires_at=EXPIRES,
+            compress_over=0,
         )
         codec.decode(bad_header.replace(b"ab", b"\xff\xfe"))
 
@@ -827,14 +853,19 @@ def test_codec_rejects_anything_it_did_not_write() -> None:
     bomb_body = zlib.compress(bytes(10_000_000), 9)
     bomb = plain[: plain.index(b"ETag") + 9] + len(bomb_body).to_bytes(4, "big") + bomb_body
     bomb = bomb[:1] + b"\x01" + bomb[2:]
-    assert len(codec.decode(bomb).response.body) == 10_000_000  # well-formed...
+    assert len(codec.decode(bomb).record.response.body) == 10_000_000  # well-formed...
     with pytest.raises(codec.CorruptEntry, match="inflates"):
         codec.decode(bomb, max_body=1024 * 1024)  # ...but bigger than anything stored
     with pytest.raises(codec.CorruptEntry):
         codec.decode(plain, max_body=10)
 
     with pytest.raises(codec.CodecError):
-        codec.encode(fingerprint, StoredResponse(200, (("X", "v" * 70_000),), b""), compress_over=0)
+        codec.encode(
+            fingerprint,
+            StoredResponse(200, (("X", "v" * 70_000),), b""),
+            expires_at=EXPIRES,
+            compress_over=0,
+        )
 
 
 # -- the breaker ----------------------------------------------------------------------------

@@ -14,7 +14,11 @@ from flask_idempotency.cli.doctor import Check, Options, diagnose
 
 def make_app(database_url: str, **config: Any) -> Flask:
     app = Flask(__name__)
-    app.config.update(IDEMPOTENCY_DATABASE_URL=database_url, IDEMPOTENCY_SCOPE_FUNC=global_scope)
+    app.config.update(
+        IDEMPOTENCY_DATABASE_URL=database_url,
+        IDEMPOTENCY_SCOPE_FUNC=global_scope,
+        SECRET_KEY="doctor-test-secret",  # the Redis cache is off (a FAIL) without one
+    )
     app.config.update(config)
     Idempotency(app)
     return app

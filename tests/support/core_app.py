@@ -90,6 +90,7 @@ def create_app(
     app.config.update(
         IDEMPOTENCY_DATABASE_URL=dsn,
         IDEMPOTENCY_AUTO_MIGRATE=True,
+        SECRET_KEY="core-app-secret",  # the Redis cache is off without one
     )
     for name, value in os.environ.items():
         if name.startswith("CORE_APP_IDEMPOTENCY_"):

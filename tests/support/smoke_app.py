@@ -77,6 +77,7 @@ def require_api_key(view: F) -> F:
 def create_app() -> Flask:
     app = Flask(__name__)
     app.config["IDEMPOTENCY_DATABASE_URL"] = os.environ["IDEMPOTENCY_DATABASE_URL"]
+    app.config["SECRET_KEY"] = "smoke-app-secret"  # the Redis cache is off without one
     redis_url = os.environ.get("IDEMPOTENCY_REDIS_URL")
     if redis_url:
         app.config["IDEMPOTENCY_REDIS_URL"] = redis_url

@@ -75,6 +75,7 @@ def make_app(dsn: str, **redis_config: Any) -> Flask:
     app.config.update(
         IDEMPOTENCY_DATABASE_URL=dsn,
         IDEMPOTENCY_AUTO_MIGRATE=True,
+        SECRET_KEY="topology-test-secret",  # the Redis cache is off without one
         IDEMPOTENCY_SCOPE_FUNC=global_scope,
         IDEMPOTENCY_REDIS_PREFIX=PREFIX,
         IDEMPOTENCY_REDIS_TIMEOUT=0.5,

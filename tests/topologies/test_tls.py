@@ -192,6 +192,7 @@ def make_app(dsn: str, **config: Any) -> Flask:
     app.config.update(
         IDEMPOTENCY_DATABASE_URL=dsn,
         IDEMPOTENCY_AUTO_MIGRATE=True,
+        SECRET_KEY="tls-test-secret",  # the Redis cache is off without one
         IDEMPOTENCY_SCOPE_FUNC=global_scope,
         IDEMPOTENCY_CONNECT_KWARGS={"application_name": APP_NAME},
         IDEMPOTENCY_CONNECT_TIMEOUT=3,

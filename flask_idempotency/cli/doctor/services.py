@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...cache.keyring import secrets_from_config
 from .base import FAIL, OK, WARN, Check, Context, ping
 
 #: Share of ``maxmemory`` in use above which a ``noeviction`` Redis refuses writes
@@ -29,6 +30,17 @@ def configured(ctx: Context) -> bool:
 def cache(ctx: Context) -> Check:
     if not configured(ctx):
         return Check("cache", OK, "no Redis configured: PostgreSQL answers every replay")
+    if not secrets_from_config(ctx.app.config):
+        # Redis is not trusted: without a secret to sign entries with, the cache is
+        # off. Nothing breaks, which is why it must be said loudly here.
+        return Check(
+            "cache",
+            FAIL,
+            "Redis is configured but the app has no SECRET_KEY: the Redis cache is off "
+            "(cached answers are signed with a key derived from it), PostgreSQL answers "
+            "every replay",
+            "set SECRET_KEY, the same on every worker (SECRET_KEY_FALLBACKS for rotation)",
+        )
     # Whatever redis-py raises is a warning: the cache fails open anyway.
     return ping(
         "cache",
