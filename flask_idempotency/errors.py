@@ -77,7 +77,10 @@ class InvalidKey(IdempotencyError):
     code = 400
     title = "Invalid Idempotency-Key"
     error_code = "invalid_key"
-    description = "The Idempotency-Key must be 1 to 255 visible ASCII characters (0x21-0x7E)."
+    description = (
+        "The Idempotency-Key must be one value of 1 to 255 visible ASCII characters "
+        "(0x21-0x7E); a comma outside quotes separates two values."
+    )
 
 
 class ScopeUnavailable(IdempotencyError):

@@ -90,7 +90,8 @@ def reference_key(values: list[bytes], joiner: str) -> str | None:
     Surrounding whitespace is not part of a field value (RFC 9110 §5.5), and a
     server joins repeated lines with commas (§5.3): gunicorn with ``,``, the
     test client with ``, ``. The extension then accepts the sf-string form
-    ``"abc"`` as ``abc`` and wants 1..255 visible ASCII characters.
+    ``"abc"`` as ``abc`` and wants 1..255 visible ASCII characters, one value:
+    a comma outside quotes (two lines joined, or one line listing two) is invalid.
     """
     value = joiner.join(v.decode("latin-1").strip(" \t") for v in values)
     if len(value) >= 2 and value[0] == value[-1] == '"':
@@ -107,6 +108,8 @@ def reference_key(values: list[bytes], joiner: str) -> str | None:
             out.append(inner[i])
             i += 1
         value = "".join(out)
+    elif "," in value:
+        return None
     if not value or len(value) > 255 or not all(ch in VISIBLE for ch in value):
         return None
     return value
