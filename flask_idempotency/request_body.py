@@ -24,10 +24,11 @@ a 4xx here, before anything is claimed.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO
 
 from flask import Request
@@ -92,7 +93,7 @@ def _read_json(request: Request, stream: IO[bytes]) -> bytes:
             raise RequestEntityTooLarge()  # as Werkzeug does for MAX_CONTENT_LENGTH
     chunks: list[bytes] = []
     size = 0
-    while chunk := stream.read(CHUNK_SIZE):
+    for chunk in _chunks(stream, request.content_length):
         size += len(chunk)
         if size > bound:
             raise RequestEntityTooLarge()  # chunked, so only known now
@@ -108,8 +109,9 @@ def _read_json(request: Request, stream: IO[bytes]) -> bytes:
 
 def _spool(request: Request, stream: IO[bytes], feed: Callable[[bytes], object]) -> int:
     """Feed the body to ``feed`` as it arrives, keep a copy for the view; its size."""
-    chunk = stream.read(CHUNK_SIZE)
-    if not chunk:
+    chunks = _chunks(stream, request.content_length)
+    first = next(chunks, b"")
+    if not first:
         body = _read_before(request)
         feed(body)
         return len(body)
@@ -118,14 +120,27 @@ def _spool(request: Request, stream: IO[bytes], feed: Callable[[bytes], object])
     # it keeps the request alive); a temporary file left to the collector warns.
     weakref.finalize(request, spool.close)
     size = 0
-    while chunk:
+    for chunk in itertools.chain((first,), chunks):
         feed(chunk)
         spool.write(chunk)
         size += len(chunk)
-        chunk = stream.read(CHUNK_SIZE)
     spool.seek(0)
     request.stream = spool  # see _read_json
     return size
+
+
+def _chunks(stream: IO[bytes], declared: int | None) -> Iterator[bytes]:
+    """The body in chunks, up to its declared length: a read past it would raise
+    ``413`` from Werkzeug's stream when that length is exactly ``MAX_CONTENT_LENGTH``.
+    A chunked body is read to its end (a read past ``MAX_CONTENT_LENGTH`` is 413)."""
+    remaining = declared
+    while remaining is None or remaining > 0:
+        chunk = stream.read(CHUNK_SIZE if remaining is None else min(CHUNK_SIZE, remaining))
+        if not chunk:
+            return  # the end, or a client gone: a short body is refused by its caller
+        if remaining is not None:
+            remaining -= len(chunk)
+        yield chunk
 
 
 def _read_before(request: Request) -> bytes:

@@ -201,3 +201,23 @@ def test_a_non_json_body_is_not_bounded_by_the_json_bound(make_trust_app: MakeTr
     )
     assert response.status_code == 201
     assert response.get_json()["size"] == len(body)
+
+
+@pytest.mark.parametrize("content_type", ["application/octet-stream", "application/json"])
+def test_a_body_of_exactly_max_content_length_is_read(
+    make_trust_app: MakeTrustApp, content_type: str
+) -> None:
+    """Read to its declared length and no further: one more read of a stream whose
+    limit is MAX_CONTENT_LENGTH is Werkzeug's 413 (under gunicorn, which marks its
+    input as terminated)."""
+    app = make_trust_app(MAX_CONTENT_LENGTH=1000)
+    body = big_json(1000)
+    response = app.test_client().post(
+        "/read/stream",
+        data=body,
+        content_type=content_type,
+        headers={"Idempotency-Key": "at-limit"},
+        environ_overrides={"wsgi.input_terminated": True},
+    )
+    assert response.status_code == 201
+    assert response.get_json() == digest(body)
