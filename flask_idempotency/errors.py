@@ -77,7 +77,10 @@ class InvalidKey(IdempotencyError):
     code = 400
     title = "Invalid Idempotency-Key"
     error_code = "invalid_key"
-    description = "The Idempotency-Key must be 1 to 255 visible ASCII characters (0x21-0x7E)."
+    description = (
+        "The Idempotency-Key must be one value of 1 to 255 visible ASCII characters "
+        "(0x21-0x7E); a comma outside quotes separates two values."
+    )
 
 
 class ScopeUnavailable(IdempotencyError):
@@ -243,3 +246,40 @@ class ResponseTooLarge(IdempotencyError):
     title = "Response too large to store"
     error_code = "response_too_large"
     description = "The response was too large to store for idempotent replay; nothing was kept."
+
+
+class ResponseNotStorable(IdempotencyError):
+    """The view's answer holds a value the store cannot keep (a header with a NUL or
+    a lone surrogate, say, echoing a client's input).
+
+    As for :class:`ResponseTooLarge`, the attempt is rolled back rather than
+    answered without a record, and it is a ``500`` without ``Retry-After``, not the
+    outage's ``503``: the same request would fail the same way, so inviting
+    retries would run the view again on each, and raise false "store down" alarms.
+    """
+
+    code = 500
+    title = "Response cannot be stored"
+    error_code = "response_not_storable"
+    description = (
+        "The response holds a value that cannot be stored for idempotent replay; nothing was kept."
+    )
+
+
+#: SQLSTATE class ``22``, data_exception: PostgreSQL refused a value it was sent (a
+#: ``jsonb`` string with ``\u0000``, an unpaired surrogate, a number out of range).
+DATA_EXCEPTION_CLASS = "22"
+
+
+def refused_as_data(exc: BaseException) -> bool:
+    """Whether a store failure is PostgreSQL refusing a value as data, read from the
+    driver error it was raised from: an answer, not an outage, and no retry helps."""
+    seen: BaseException | None = exc
+    for _ in range(4):  # the store's error, the driver's, perhaps SQLAlchemy's around it
+        if seen is None:
+            return False
+        code = getattr(seen, "pgcode", None) or getattr(seen, "sqlstate", None)
+        if code:
+            return str(code).startswith(DATA_EXCEPTION_CLASS)
+        seen = seen.__cause__ or getattr(seen, "orig", None)
+    return False

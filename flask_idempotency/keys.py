@@ -32,12 +32,19 @@ def parse_key(raw: str | None) -> str | None:
     Surrounding spaces and tabs are not part of a field value (RFC 9110 §5.5);
     gunicorn strips them but Werkzeug's server keeps trailing ones, so they are
     dropped here, or one key would be valid under one server and not another.
+
+    One value only: a server joins repeated header lines with a comma (RFC 9110
+    §5.3; gunicorn ``a,b``, Werkzeug ``a, b``), so an unquoted comma means the
+    client sent more than one key, and no choice between them is safe (a retry
+    carrying only ``a`` would run again). Inside quotes a comma is the key's own.
     """
     if raw is None:
         return None
     key = raw.strip(" \t")
     if len(key) >= 2 and key[0] == '"' and key[-1] == '"':
         key = _unquote_sf_string(key[1:-1])
+    elif "," in key:
+        raise InvalidKey()
     if not key or len(key) > MAX_KEY_LENGTH or not _VISIBLE_ASCII.issuperset(key):
         raise InvalidKey()
     return key

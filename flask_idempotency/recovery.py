@@ -32,6 +32,7 @@ from flask import Flask, Request
 from werkzeug.test import EnvironBuilder
 
 from . import keys
+from .request_body import whole_body
 from .route_options import RouteOptions
 
 #: Set on the decorator's wrapper (and copied outwards by ``functools.wraps``), so
@@ -56,7 +57,7 @@ def capture(options: RouteOptions, request: Request) -> bytes:
         "path": request.path,
         "query": request.query_string.decode("latin-1"),
         "content_type": request.content_type,
-        "body": base64.b64encode(request.get_data(cache=True)).decode("ascii"),
+        "body": base64.b64encode(whole_body(request)).decode("ascii"),
         "data": data,
     }
     try:

@@ -6,7 +6,8 @@ code in the application.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 from flask import Response
 
@@ -42,12 +43,74 @@ NOT_STORED_HEADERS = frozenset(
     )
 )
 
+#: Dropped from every replay, whatever the store or the cache holds (a row written
+#: before a header joined the list, an entry planted in Redis): all of the above
+#: but the marker of an omitted body, which the stored answer carries on purpose.
+NOT_REPLAYED_HEADERS = NOT_STORED_HEADERS - {OMITTED_HEADER.lower()}
+
 #: Every response header the extension may set, for ``Access-Control-Expose-Headers``.
 EXPOSED_HEADERS = (STRIPE.replayed_header, IETF.replayed_header, OMITTED_HEADER, "Retry-After")
+
+#: PostgreSQL's ``smallint``, the column of a stored status.
+_STATUS_RANGE = range(-32768, 32768)
 
 
 class NotStorable(Exception):
     """The body is larger than the most that may be stored (and the route rejects such)."""
+
+
+@functools.lru_cache(maxsize=16)
+def per_request(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """Whether a header name is one of ``patterns`` (``IDEMPOTENCY_NOT_REPLAYED_HEADERS``:
+    names, or prefixes ending in ``*``), case-insensitively. Made once per list."""
+    exact = frozenset(p.lower() for p in patterns if not p.endswith("*"))
+    prefixes = tuple(p[:-1].lower() for p in patterns if p.endswith("*"))
+
+    def matches(name: str) -> bool:
+        lowered = name.lower()
+        return lowered in exact or lowered.startswith(prefixes)
+
+    return matches
+
+
+def answer_only(stored: StoredResponse, not_replayed: tuple[str, ...]) -> StoredResponse:
+    """``stored`` without the headers that belong to the request rather than the
+    answer (CORS's, by default): the app's own layers add this request's on a replay,
+    so a retry from a second allowed origin is not handed the first one's."""
+    if not not_replayed:
+        return stored
+    matches = per_request(not_replayed)
+    headers = tuple(pair for pair in stored.headers if not matches(pair[0]))
+    if len(headers) == len(stored.headers):
+        return stored
+    return StoredResponse(stored.status, headers, stored.body)
+
+
+def storable(stored: StoredResponse) -> bool:
+    """Whether PostgreSQL can hold the answer: headers go into ``jsonb``, which has
+    no NUL (``\\u0000``) and no unpaired surrogate, and a lone surrogate is no text
+    at all (nor could a WSGI server send it); the status goes into a ``smallint``.
+
+    Checked before the completion, so such an answer (a header echoing a client's
+    ``"\\u0000"`` or ``"\\ud800"`` from a JSON body) is refused as itself, not as
+    an outage that a client would retry, running the view each time.
+    """
+    if stored.status not in _STATUS_RANGE:
+        return False
+    for name, value in stored.headers:
+        for text in (name, value):
+            if "\x00" in text or not (text.isascii() or _encodable(text)):
+                return False
+    return True
+
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is valid Unicode text (no surrogate code points)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def capture(response: Response, max_body: int, *, omit_oversize: bool) -> StoredResponse:
@@ -127,8 +190,18 @@ def _close(source: object) -> None:
         close()
 
 
-def replay(stored: StoredResponse, profile: Profile = STRIPE) -> Response:
-    response = Response(stored.body, status=stored.status, headers=list(stored.headers))
+def replay(
+    stored: StoredResponse, profile: Profile = STRIPE, not_replayed: tuple[str, ...] = ()
+) -> Response:
+    """The stored answer as a response, without what no replay may carry
+    (``Set-Cookie``, hop-by-hop headers, ``not_replayed``), whatever was stored."""
+    matches = per_request(not_replayed)
+    headers = [
+        pair
+        for pair in stored.headers
+        if pair[0].lower() not in NOT_REPLAYED_HEADERS and not matches(pair[0])
+    ]
+    response = Response(stored.body, status=stored.status, headers=headers)
     response.headers[profile.replayed_header] = "true"
     return response
 

@@ -27,10 +27,12 @@ from .errors import (
     KeyReused,
     LeaseLost,
     RequestInProgress,
+    ResponseNotStorable,
     ResponseTooLarge,
     SchemaMissing,
     StoreUnavailable,
     from_store_error,
+    refused_as_data,
 )
 from .observer import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, RequestOutcome
 from .request_body import read_body
@@ -221,7 +223,9 @@ def _replay(ctx: RequestState, stored: StoredResponse, source: str) -> Response:
     """Answer with a stored response, from the cache or the store."""
     ctx.replayed = True
     with ctx.state.metrics.phase(PHASE_REPLAY, ctx, source=source, status=stored.status):
-        answer = responses.replay(stored, ctx.state.profile)
+        answer = responses.replay(
+            stored, ctx.state.profile, ctx.state.settings.not_replayed_headers
+        )
     record(ctx, RequestOutcome.REPLAYED, source=source, status=stored.status)
     return answer
 
@@ -296,11 +300,10 @@ def _settle_claim(ctx: RequestState, response: Response) -> Response:
             responses.mark_original(response, state.profile)
         return response
     if settlement is flow.Settlement.TOO_LARGE or stored is None:
-        too_large = ResponseTooLarge()
-        record(ctx, RequestOutcome.NOT_STORABLE, status=too_large.code, error=too_large)
-        engine.release(ctx)
-        response.close()
-        return _error_response(too_large)
+        return _not_stored(ctx, response, ResponseTooLarge())
+    stored = responses.answer_only(stored, state.settings.not_replayed_headers)
+    if not responses.storable(stored):
+        return _not_stored(ctx, response, ResponseNotStorable())
 
     if state.settings.testing_drills and _drilled(ctx):
         release(ctx, status=DrillFailure.code)
@@ -312,6 +315,8 @@ def _settle_claim(ctx: RequestState, response: Response) -> Response:
         record(ctx, RequestOutcome.LEASE_LOST, status=LeaseLost.code)
         return _error_response(LeaseLost(retry_after=state.settings.retry_after))
     except StoreUnavailableError as exc:
+        if refused_as_data(exc):  # what storable() did not foresee: rolled back, released
+            return _not_stored(ctx, response, ResponseNotStorable())
         return _error_response(refusal(ctx, exc, observed=True))
     record(ctx, RequestOutcome.EXECUTED, status=stored.status)
     if state.settings.redis_fill == "completion":
@@ -320,6 +325,14 @@ def _settle_claim(ctx: RequestState, response: Response) -> Response:
         state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
     responses.mark_original(response, state.profile)
     return response
+
+
+def _not_stored(ctx: RequestState, response: Response, error: IdempotencyError) -> Response:
+    """An answer that would be stored but cannot be: rolled back, released, a 500."""
+    record(ctx, RequestOutcome.NOT_STORABLE, status=error.code, error=error)
+    engine.release(ctx)
+    response.close()
+    return _error_response(error)
 
 
 def _drilled(ctx: RequestState) -> bool:

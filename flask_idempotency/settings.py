@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import string
 import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -137,6 +138,12 @@ class Settings:
     #: ``IDEMPOTENCY_EXPOSE_HEADERS``: name the extension's response headers in
     #: ``Access-Control-Expose-Headers`` so browsers' scripts can read them (CORS).
     expose_headers: bool = False
+    #: ``IDEMPOTENCY_NOT_REPLAYED_HEADERS``: response headers that belong to the request
+    #: rather than the answer, neither stored nor replayed, so the app's own layers add
+    #: this request's on a replay: names, or prefixes ending in ``*``, any case. Default:
+    #: CORS's (``Access-Control-*``), which depend on the request's ``Origin``. Beside
+    #: these, ``Set-Cookie`` and hop-by-hop headers are never stored nor replayed.
+    not_replayed_headers: tuple[str, ...] = ("Access-Control-*",)
     #: ``IDEMPOTENCY_TESTING_DRILLS``: honour the ``Idempotency-Drill`` request header
     #: of ``flask_idempotency.testing.assert_idempotent(atomicity_drill=True)``, which
     #: fails an attempt after its view returned. For test configurations only.
@@ -417,6 +424,8 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
             values[name] = str(value).strip().lower()
         elif name == "migration_dirs":
             values[name] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
+        elif name == "not_replayed_headers":
+            values[name] = (value,) if isinstance(value, str) else tuple(value)
         else:
             values[name] = value
     for name in (
@@ -473,6 +482,12 @@ def validate(settings: Settings) -> None:
         raise ValueError("IDEMPOTENCY_WAIT must be >= 0 and IDEMPOTENCY_WAIT_POLL_INTERVAL > 0")
     if settings.max_stored_body < 0:
         raise ValueError("IDEMPOTENCY_MAX_STORED_BODY must not be negative")
+    for pattern in settings.not_replayed_headers:
+        if not _is_header_pattern(pattern):
+            raise ValueError(
+                "IDEMPOTENCY_NOT_REPLAYED_HEADERS must list header names, or prefixes "
+                f"ending in '*', got {pattern!r}"
+            )
     for name, choices in _CHOICE_FIELDS.items():
         value = getattr(settings, name)
         if value not in choices:
@@ -493,3 +508,15 @@ def validate(settings: Settings) -> None:
         raise ValueError(f"{config_key('statement_timeout')} must be positive")
     if not settings.lock_timeout >= 0:
         raise ValueError(f"{config_key('lock_timeout')} must not be negative (0 = no lock timeout)")
+
+
+#: What a header name may hold (RFC 9110's ``token``).
+_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
+
+
+def _is_header_pattern(pattern: object) -> bool:
+    """A header name, or a prefix of one followed by ``*``."""
+    if not isinstance(pattern, str):
+        return False
+    name = pattern[:-1] if pattern.endswith("*") else pattern
+    return bool(name) and "*" not in name and _TOKEN_CHARS.issuperset(name)
