@@ -2,7 +2,7 @@
 
 Every request that reaches a decorated view ends in exactly one
 :class:`RequestOutcome`. The extension counts it per process (``idempotency.metrics()``),
-logs it (``flask_idempotency.requests``, see ``logs.py``) and hands it, as a
+logs it (``flask_idempotency.requests``, see ``request_log.py``) and hands it, as a
 :class:`RequestEvent`, to the observers attached to the app. It also times its
 phases (the claim, a replay, the completion) for them, and reports what its
 parts see: lease renewals and takeovers, the Redis cache and its breaker, the

@@ -14,7 +14,6 @@ broker client.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,19 +38,9 @@ _HOMES = {
     "Relay": "relay",
     "RelayStats": "relay",
 }
-#: Old names kept for one release, with a warning: old name -> new name.
-_RENAMED = {"Outcome": "ConsumerOutcome"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"flask_idempotency.events.{name} is now {new}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        name = new
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """What the extension reports about its work, for metrics, traces and logs.
 
 Every request that reaches a decorated view ends in exactly one
-:class:`RequestOutcome` (``Outcome`` here, for short). The extension counts it
+:class:`RequestOutcome`. The extension counts it
 per process (``idempotency.metrics()``), logs it (``flask_idempotency.requests``,
-see ``logs.py``) and hands it, as a :class:`RequestEvent`, to the observers
+see ``request_log.py``) and hands it, as a :class:`RequestEvent`, to the observers
 attached to the app with :func:`attach`. The types live in
 ``flask_idempotency.observer``, below every part that reports to them.
 
@@ -31,9 +31,6 @@ from ..observer import (
 )
 from ..state import app_state
 
-#: The request outcome under its short name (the ``outcome`` label's values).
-Outcome = RequestOutcome
-
 
 def attach(app: Flask, observer: Observer) -> None:
     """Report ``app``'s idempotency work to ``observer`` (after ``init_app``)."""
@@ -60,7 +57,6 @@ __all__ = [
     "AttributeValue",
     "Attributes",
     "Observer",
-    "Outcome",
     "RequestEvent",
     "RequestOutcome",
     "attach",
