@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -53,8 +52,7 @@ class Settings:
     connect_timeout: int = 3
     #: ``IDEMPOTENCY_DATABASE_OPTIONS``: a mapping of the database options listed here
     #: (``pool_size``, ``statement_timeout``...); any other key in it is a libpq
-    #: connection parameter (``sslmode``, ``application_name``...). Replaces the flat
-    #: keys (``IDEMPOTENCY_POOL_SIZE``...), which still work for a release, with a warning.
+    #: connection parameter (``sslmode``, ``application_name``...).
     connect_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: ``IDEMPOTENCY_KEY_HEADER``: the request header carrying the client's key.
     key_header: str = "Idempotency-Key"
@@ -230,7 +228,7 @@ _BOOL_FIELDS = {
     "testing_drills",
 }
 _CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
-#: ``IDEMPOTENCY_REDIS_FILL`` values (see :attr:`Settings.redis_fill`).
+#: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]`` values (see :attr:`Settings.redis_fill`).
 REDIS_FILLS = ("completion", "replay")
 #: ``IDEMPOTENCY_PROFILE`` values (see :attr:`Settings.profile`).
 PROFILE_NAMES = ("stripe", "ietf")
@@ -332,21 +330,19 @@ def config_key(name: str) -> str:
 
 
 def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config namespace with each option group spread into its fields, and the
-    old flat keys of grouped fields accepted with a ``DeprecationWarning``."""
+    """The config namespace with each option group spread into its fields.
+
+    A grouped option set as a flat key (``IDEMPOTENCY_POOL_SIZE``, the spelling of
+    the unpublished 0.2 line) fails here with its new spelling: ignoring it would
+    silently run with the default, and a warning is easy to miss in a deploy log.
+    """
     flat: dict[str, Any] = {}
-    given_flat: set[str] = set()
     for raw_name, value in config.items():
         name = raw_name.lower()
         if name in OPTION_GROUPS:
             continue
         if name in GROUPED:
-            warnings.warn(
-                f"IDEMPOTENCY_{raw_name.upper()} is deprecated: use {config_key(name)}",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-            given_flat.add(name)
+            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: use {config_key(name)}")
         flat[name] = value
     for group, options in OPTION_GROUPS.items():
         raw = config.get(group.upper(), config.get(group))
@@ -365,13 +361,9 @@ def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
                     )
                 extra[str(option)] = value  # a libpq connection parameter
                 continue
-            if field in given_flat:
-                raise ValueError(f"{config_key(field)} is also set by its deprecated flat key")
             flat[field] = value
         if extra:
-            # With the deprecated IDEMPOTENCY_CONNECT_KWARGS too: one set of libpq
-            # parameters, the group's winning where both name one.
-            flat["connect_kwargs"] = {**dict(flat.get("connect_kwargs") or {}), **extra}
+            flat["connect_kwargs"] = extra
     return flat
 
 

@@ -297,7 +297,7 @@ def test_an_unreachable_start_is_still_an_outage_then_named_on_first_use(
     caplog.set_level(logging.INFO)
     proxy = tcp_proxy(fresh_database_url)
     proxy.cut()
-    app = make_app(proxy.url, IDEMPOTENCY_CONNECT_TIMEOUT=2)
+    app = make_app(proxy.url, IDEMPOTENCY_DATABASE_OPTIONS={"connect_timeout": 2})
     assert errors_logged(caplog) == []
     assert "schema not checked" in caplog.text
 

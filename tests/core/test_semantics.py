@@ -440,7 +440,7 @@ def test_unreadable_body_is_400_malformed_body(make_app: MakeApp) -> None:
 @pytest.mark.postgres_only
 def test_claim_works_without_prepared_statements(make_app: MakeApp) -> None:
     """For PgBouncer in transaction mode, which drops a session's prepared statements."""
-    app = make_app(IDEMPOTENCY_PREPARE_STATEMENTS=False)
+    app = make_app(IDEMPOTENCY_DATABASE_OPTIONS={"prepare_statements": False})
     assert post(app, {"amount": 1}).status_code == 201
     assert post(app, {"amount": 1}).headers["Idempotent-Replayed"] == "true"
     assert post(app, {"amount": 2}).status_code == 422
