@@ -19,14 +19,12 @@ from __future__ import annotations
 from flask import Flask
 
 from ..observer import (
-    PHASE_CLAIM,
-    PHASE_COMPLETE,
-    PHASE_REPLAY,
     Attributes,
     AttributeValue,
     Observer,
     RequestEvent,
     RequestOutcome,
+    Stage,
     scope_digest,
 )
 from ..state import app_state
@@ -51,14 +49,12 @@ def attach(app: Flask, observer: Observer) -> None:
 
 
 __all__ = [
-    "PHASE_CLAIM",
-    "PHASE_COMPLETE",
-    "PHASE_REPLAY",
     "AttributeValue",
     "Attributes",
     "Observer",
     "RequestEvent",
     "RequestOutcome",
+    "Stage",
     "attach",
     "scope_digest",
 ]

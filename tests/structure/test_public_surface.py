@@ -55,14 +55,12 @@ PUBLIC = {
     # gunicorn.conf.py's one import: the hooks gunicorn reads by name.
     "flask_idempotency.gunicorn": ["child_exit", "on_exit", "on_starting", "post_worker_init"],
     "flask_idempotency.observability": [
-        "PHASE_CLAIM",
-        "PHASE_COMPLETE",
-        "PHASE_REPLAY",
         "AttributeValue",
         "Attributes",
         "Observer",
         "RequestEvent",
         "RequestOutcome",
+        "Stage",
         "attach",
         "scope_digest",
     ],
