@@ -1,7 +1,7 @@
 """Sphinx helpers for this site, so that the docs have one source of truth.
 
 - ``.. idempotency-settings::`` writes one ``confval`` entry per field of
-  :class:`flask_idempotency.Settings`, from the ``#:`` comment above the field in
+  :class:`flask_idempotency.settings.Settings`, from the ``#:`` comment above the field in
   ``flask_idempotency/settings.py`` and the field's default. A key added there
   appears on the configuration page; one removed breaks every ``{confval}``
   reference to it (the build is nitpicky).

@@ -23,9 +23,10 @@ from .. import completer, keys
 from ..events import outbox
 from ..keys import parse_key, record_key
 from ..store.base import RecordInfo, StoreUnavailableError
-from .doctor import DEFAULT_STALE_AFTER, Options, diagnose
+from .doctor import diagnose
 from .doctor import document as diagnosis_document
 from .doctor import lines as diagnosis_lines
+from .doctor.base import DEFAULT_STALE_AFTER, Options
 from .output import echo_document, json_option
 from .progress import Progress, interval_option
 from .prompts import confirm, yes_option

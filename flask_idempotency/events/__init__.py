@@ -17,26 +17,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .amqp import BrokerUnavailable, ConsumerWorker, Publisher, Subscription
-    from .consumer import ConsumerGuard, ConsumerOutcome, Delivery, Result
+    from .amqp import ConsumerWorker, Subscription
+    from .consumer import ConsumerOutcome, Delivery
     from .embedded import EmbeddedEvents
-    from .outbox import OutboxEvent
-    from .relay import Relay, RelayStats
+    from .relay import Relay
 
-#: Where each public name lives.
+#: Where each public name lives: what an application writes to run consumers and
+#: the relay. What they hand back (``ConsumerGuard``, ``Result``, ``RelayStats``)
+#: and the broker's parts (``Publisher``, ``BrokerUnavailable``) are documented in
+#: their modules.
 _HOMES = {
-    "BrokerUnavailable": "amqp",
     "ConsumerWorker": "amqp",
-    "Publisher": "amqp",
     "Subscription": "amqp",
-    "ConsumerGuard": "consumer",
     "ConsumerOutcome": "consumer",
     "Delivery": "consumer",
-    "Result": "consumer",
     "EmbeddedEvents": "embedded",
-    "OutboxEvent": "outbox",
     "Relay": "relay",
-    "RelayStats": "relay",
 }
 
 
@@ -48,16 +44,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BrokerUnavailable",
-    "ConsumerGuard",
     "ConsumerOutcome",
     "ConsumerWorker",
     "Delivery",
     "EmbeddedEvents",
-    "OutboxEvent",
-    "Publisher",
     "Relay",
-    "RelayStats",
-    "Result",
     "Subscription",
 ]

@@ -18,15 +18,7 @@ from __future__ import annotations
 
 from flask import Flask
 
-from ..observer import (
-    Attributes,
-    AttributeValue,
-    Observer,
-    RequestEvent,
-    RequestOutcome,
-    Stage,
-    scope_digest,
-)
+from ..observer import Observer, RequestEvent, RequestOutcome, Stage
 from ..state import app_state
 
 
@@ -49,12 +41,9 @@ def attach(app: Flask, observer: Observer) -> None:
 
 
 __all__ = [
-    "AttributeValue",
-    "Attributes",
     "Observer",
     "RequestEvent",
     "RequestOutcome",
     "Stage",
     "attach",
-    "scope_digest",
 ]

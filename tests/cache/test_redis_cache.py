@@ -30,11 +30,12 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from werkzeug.test import TestResponse
 
-from flask_idempotency import Idempotency, Settings
+from flask_idempotency import Idempotency
 from flask_idempotency.cache import codec
 from flask_idempotency.cache.breaker import BreakerState, CircuitBreaker, Transition
 from flask_idempotency.cache.redis import RedisCache
 from flask_idempotency.keys import default_scope_from_header, record_key
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import StoredResponse
 from support.forking import in_forked_child
 from support.servers import ProxyFactory, ThrowawayRedis

@@ -34,10 +34,10 @@ from flask_idempotency.observability import (
     RequestEvent,
     RequestOutcome,
     attach,
-    scope_digest,
 )
 from flask_idempotency.observability.prometheus import PrometheusMetrics, TableStatsCollector
 from flask_idempotency.observability.tracing import OpenTelemetryTracing
+from flask_idempotency.observer import scope_digest
 from flask_idempotency.store import StoreUnavailableError
 from support.core_app import CLIENT_AUTHORIZATION
 from support.servers import ProxyFactory
