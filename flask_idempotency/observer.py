@@ -156,7 +156,7 @@ class Observer:
         """A claim was won: the view is about to run (``request_finished`` follows)."""
 
     def stage_started(self, stage: Stage, attributes: Attributes) -> object:
-        """A :class:`Stage` of a request begins."""
+        """A :class:`~flask_idempotency.observability.Stage` of a request begins."""
         return None
 
     def stage_ended(

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from flask import Request
 
@@ -70,8 +70,10 @@ class Settings:
     #: ``IDEMPOTENCY_WAIT``: seconds a duplicate waits for the first request to finish
     #: and replays it, instead of an immediate 409 (0 = answer 409 at once).
     wait: float = 0.0
-    #: ``IDEMPOTENCY_WAIT_POLL_INTERVAL``: seconds between checks while waiting.
-    wait_poll_interval: float = 0.05
+    #: Seconds between a waiting duplicate's checks. Not a key: what an application
+    #: chooses is how long a duplicate waits (``WAIT``); 50 ms answers it within a
+    #: tick of the first request finishing, at ~20 small queries a second.
+    wait_poll_interval: ClassVar[float] = 0.05
     #: ``IDEMPOTENCY_SHOULD_STORE``: ``f(status) -> bool``, which answers are stored.
     should_store: ShouldStore = default_should_store
     #: ``IDEMPOTENCY_SCOPE_FUNC``: ``f(request) -> str | None``, the principal (user,
@@ -116,9 +118,10 @@ class Settings:
     redis_breaker_threshold: int = 3
     #: ``IDEMPOTENCY_REDIS_OPTIONS["breaker_cooldown"]``: seconds Redis is skipped once open.
     redis_breaker_cooldown: float = 5.0
-    #: ``IDEMPOTENCY_REDIS_OPTIONS["compress_over"]``: bodies above this many bytes are
-    #: zlib-compressed.
-    redis_compress_over: int = 4096
+    #: Bodies above this many bytes are zlib-compressed in Redis. Not a key: a detail
+    #: of the cache's encoding (deflating a few kB costs less than sending them),
+    #: not a deployment decision.
+    redis_compress_over: ClassVar[int] = 4096
     #: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]``: when a completed response is copied to Redis.
     #: ``"replay"`` (the default): the first time it is replayed from PostgreSQL;
     #: first requests skip the SET, and Redis holds only keys that were retried
@@ -130,9 +133,10 @@ class Settings:
     #: ``"stripe"`` (JSON errors, ``Idempotent-Replayed: true|false``) or ``"ietf"``
     #: (RFC 9457 problem details, ``Idempotency-Replayed: true`` on replays only).
     profile: str = "stripe"
-    #: ``IDEMPOTENCY_PROBLEM_TYPE_BASE``: prefix of a problem's ``type`` (ietf profile);
-    #: the error code completes it.
-    problem_type_base: str = "urn:flask-idempotency:error:"
+    #: Prefix of a problem's ``type`` (ietf profile), completed by the error code. Not
+    #: a key: RFC 9457 asks only that a type be a stable URI, and a URN is one; the
+    #: ``code`` member is what clients branch on.
+    problem_type_base: ClassVar[str] = "urn:flask-idempotency:error:"
     #: ``IDEMPOTENCY_OVERSIZE``: an answer whose body is over ``MAX_STORED_BODY``.
     #: ``"omit_body"``: kept and stored without its body; the client gets it whole,
     #: retries get its status and headers with ``Idempotency-Body-Omitted: true``. A
@@ -205,7 +209,6 @@ _SECONDS_FIELDS = {
     "lease",
     "lease_renew_interval",
     "wait",
-    "wait_poll_interval",
     "pool_timeout",
     "redis_timeout",
     "redis_breaker_cooldown",
@@ -217,7 +220,6 @@ _INT_FIELDS = {
     "retry_after",
     "max_stored_body",
     "redis_breaker_threshold",
-    "redis_compress_over",
     "store_breaker_threshold",
 }
 _BOOL_FIELDS = {
@@ -304,7 +306,6 @@ OPTION_GROUPS: dict[str, dict[str, str]] = {
         "timeout": "redis_timeout",
         "breaker_threshold": "redis_breaker_threshold",
         "breaker_cooldown": "redis_breaker_cooldown",
-        "compress_over": "redis_compress_over",
         "fill": "redis_fill",
     },
     "broker_options": {"exchange": "events_exchange"},
@@ -317,6 +318,19 @@ GROUPED: dict[str, tuple[str, str | None]] = {
     for option, field in options.items()
 }
 GROUPED["connect_kwargs"] = ("database_options", None)
+
+
+#: Keys of the 0.2 line that are gone, and what to do instead; any other unknown key
+#: is a typo and is refused as one.
+REMOVED_KEYS: dict[str, str] = {
+    "wait_poll_interval": "a waiting duplicate checks every 50 ms; set IDEMPOTENCY_WAIT",
+    "problem_type_base": "problem types are urn:flask-idempotency:error:<code>",
+    "redis_compress_over": "bodies over 4 kB are compressed",
+}
+#: Options of a group that are gone, as ``(group, option)`` -> what to do instead.
+REMOVED_OPTIONS: dict[tuple[str, str], str] = {
+    ("redis_options", "compress_over"): "bodies over 4 kB are compressed",
+}
 
 
 def config_key(name: str) -> str:
@@ -343,6 +357,8 @@ def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
             continue
         if name in GROUPED:
             raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: use {config_key(name)}")
+        if name in REMOVED_KEYS:
+            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: {REMOVED_KEYS[name]}")
         flat[name] = value
     for group, options in OPTION_GROUPS.items():
         raw = config.get(group.upper(), config.get(group))
@@ -353,6 +369,9 @@ def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         for option, value in raw.items():
             field = options.get(str(option))
+            gone = REMOVED_OPTIONS.get((group, str(option)))
+            if gone is not None:
+                raise ValueError(f"IDEMPOTENCY_{group.upper()}[{option!r}] was removed: {gone}")
             if field is None:
                 if group != "database_options":
                     raise ValueError(
@@ -442,8 +461,8 @@ def validate(settings: Settings) -> None:
         )
     if settings.retry_after < 0:
         raise ValueError("IDEMPOTENCY_RETRY_AFTER must not be negative")
-    if settings.wait < 0 or settings.wait_poll_interval <= 0:
-        raise ValueError("IDEMPOTENCY_WAIT must be >= 0 and IDEMPOTENCY_WAIT_POLL_INTERVAL > 0")
+    if settings.wait < 0:
+        raise ValueError("IDEMPOTENCY_WAIT must be >= 0")
     if settings.max_stored_body < 0:
         raise ValueError("IDEMPOTENCY_MAX_STORED_BODY must not be negative")
     for name, choices in _CHOICE_FIELDS.items():

@@ -237,8 +237,8 @@ def assert_idempotent(
     retries of ``409`` answers included. ``atomicity_drill`` also fails one attempt
     after its view returned (see the module's docstring).
 
-    Returns an :class:`IdempotencyReport`; raises ``AssertionError`` listing
-    every check that failed.
+    Returns an :class:`~flask_idempotency.testing.assertions.IdempotencyReport`;
+    raises ``AssertionError`` listing every check that failed.
     """
     # pytest shows the caller's line, not this frame (whose arguments hold the key).
     __tracebackhide__ = True

@@ -7,6 +7,7 @@ message that names the new spelling.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -63,7 +64,6 @@ REMOVED_FLAT_KEYS = {
     "REDIS_TIMEOUT": 'IDEMPOTENCY_REDIS_OPTIONS["timeout"]',
     "REDIS_BREAKER_THRESHOLD": 'IDEMPOTENCY_REDIS_OPTIONS["breaker_threshold"]',
     "REDIS_BREAKER_COOLDOWN": 'IDEMPOTENCY_REDIS_OPTIONS["breaker_cooldown"]',
-    "REDIS_COMPRESS_OVER": 'IDEMPOTENCY_REDIS_OPTIONS["compress_over"]',
     "REDIS_FILL": 'IDEMPOTENCY_REDIS_OPTIONS["fill"]',
     "EVENTS_EXCHANGE": 'IDEMPOTENCY_BROKER_OPTIONS["exchange"]',
 }
@@ -97,3 +97,23 @@ def test_mistakes_in_a_group_are_refused_with_its_key() -> None:
 def test_every_grouped_field_has_its_removed_flat_key_pinned() -> None:
     """A grouped option added later is refused as a flat key too; this list names it."""
     assert {name.upper() for name in GROUPED} == set(REMOVED_FLAT_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"WAIT_POLL_INTERVAL": 0.01}, "IDEMPOTENCY_WAIT_POLL_INTERVAL was removed: a waiting"),
+        ({"PROBLEM_TYPE_BASE": "https://x/"}, "IDEMPOTENCY_PROBLEM_TYPE_BASE was removed: problem"),
+        ({"REDIS_COMPRESS_OVER": 1}, "IDEMPOTENCY_REDIS_COMPRESS_OVER was removed: bodies over"),
+        (
+            {"REDIS_OPTIONS": {"compress_over": 1}},
+            "IDEMPOTENCY_REDIS_OPTIONS['compress_over'] was removed: bodies over",
+        ),
+    ],
+)
+def test_a_removed_setting_fails_saying_what_replaced_it(
+    config: dict[str, object], message: str
+) -> None:
+    """Settings folded into fixed values: refused with what now holds, not as a typo."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        settings_from_config({**BASE, **config})
