@@ -67,13 +67,8 @@ from typing import Any
 from flask import Flask, current_app, has_app_context
 
 from .events.amqp import DEFAULT_TIMEOUT, BrokerUnavailable, connect, redact
-from .events.consumer import (
-    ConsumerGuard,
-    ConsumerOutcome,
-    Delivery,
-    Result,
-    consumer_options,
-)
+from .events.consumer import ConsumerGuard
+from .events.messages import ConsumerOutcome, Delivery, Result, consumer_options
 from .events.outbox import OutboxEvent
 from .store.base import StoredResponse
 

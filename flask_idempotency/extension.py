@@ -35,7 +35,8 @@ from .store.memory import MemoryStore, is_memory_url
 from .store.postgres import PostgresStore
 
 if TYPE_CHECKING:
-    from .events.consumer import ConsumerGuard, Handler, KeyFunc
+    from .events.consumer import ConsumerGuard
+    from .events.messages import Handler, KeyFunc
 
 log = logging.getLogger("flask_idempotency")
 
@@ -238,8 +239,9 @@ class Idempotency:
         route's claim, lease and fencing; dead-letter after ``max_attempts``.
         See ``events/consumer.py``."""
         from .events import consumer as events_consumer  # the events layer, on first use
+        from .events.messages import consumer_options
 
-        options = events_consumer.consumer_options(
+        options = consumer_options(
             name,
             key=key,
             max_attempts=max_attempts,

@@ -18,19 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .amqp import ConsumerWorker, Subscription
-    from .consumer import ConsumerOutcome, Delivery
     from .embedded import EmbeddedEvents
+    from .messages import ConsumerOutcome, Delivery
     from .relay import Relay
 
 #: Where each public name lives: what an application writes to run consumers and
-#: the relay. What they hand back (``ConsumerGuard``, ``Result``, ``RelayStats``)
+#: the relay. What they hand back (``ConsumerGuard``, ``messages.Result``, ``RelayStats``)
 #: and the broker's parts (``Publisher``, ``BrokerUnavailable``) are documented in
 #: their modules.
 _HOMES = {
     "ConsumerWorker": "amqp",
     "Subscription": "amqp",
-    "ConsumerOutcome": "consumer",
-    "Delivery": "consumer",
+    "ConsumerOutcome": "messages",
+    "Delivery": "messages",
     "EmbeddedEvents": "embedded",
     "Relay": "relay",
 }

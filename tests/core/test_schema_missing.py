@@ -34,7 +34,7 @@ from flask_idempotency import (
 )
 from flask_idempotency.completer import Recoverer
 from flask_idempotency.events.amqp import Backoff
-from flask_idempotency.events.consumer import ConsumerOutcome, Delivery
+from flask_idempotency.events.messages import ConsumerOutcome, Delivery
 from flask_idempotency.events.relay import Relay
 from flask_idempotency.store import migrations
 from flask_idempotency.store.base import StoreUnavailableError

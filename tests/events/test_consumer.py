@@ -28,7 +28,7 @@ from flask_idempotency.events import (
     Subscription,
 )
 from flask_idempotency.events.amqp import Publisher
-from flask_idempotency.events.consumer import Result
+from flask_idempotency.events.messages import Result
 from support.pg_query import query
 from support.records import end_leases
 from support.waiting import wait_until
