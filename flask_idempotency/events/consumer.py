@@ -74,10 +74,11 @@ HANDLED_RECORD = StoredResponse(200, (), b"")
 class ConsumerGuard:
     """A handler wrapped by ``@idempotency.consumer(name)``.
 
-    Call :meth:`handle` with a :class:`Delivery` (any transport: a kombu or pika
-    callback, a Celery task) inside the app's context, or give ``app=``; act on
-    the :class:`Result`. ``flask_idempotency.events.amqp.ConsumerWorker`` does
-    that for kombu. Calling the guard itself runs the bare handler (tests).
+    Call :meth:`handle` with a :class:`~.messages.Delivery` (any transport: a
+    kombu or pika callback, a Celery task) inside the app's context, or give
+    ``app=``; act on the :class:`~.messages.Result`.
+    ``flask_idempotency.events.amqp.ConsumerWorker`` does that for kombu. Calling
+    the guard itself runs the bare handler (tests).
     """
 
     def __init__(self, handler: Handler, options: ConsumerOptions) -> None:

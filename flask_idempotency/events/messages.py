@@ -46,7 +46,8 @@ class Result:
     attempts: int = 0
     #: The completed record: the one this attempt stored (``HANDLED``) or found
     #: (``DUPLICATE``); what
-    #: :meth:`ConsumerGuard.stored_record` made of a return value.
+    #: :meth:`~flask_idempotency.events.consumer.ConsumerGuard.stored_record` made of a
+    #: return value.
     stored: StoredResponse | None = None
     #: The handler's exception, when it raised (``RETRY`` or ``DEAD_LETTERED`` with
     #: ``handler_failed``): a transport with a retry policy of its own re-raises it.
