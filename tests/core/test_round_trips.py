@@ -58,6 +58,7 @@ from benchmarks.app import (  # noqa: E402
     REQUEST_BODY,
     create_app,
     prepare_database,
+    subject_config,
 )
 
 #: One event per round trip, in order: ("pg", sql) or ("redis", command name),
@@ -225,9 +226,12 @@ def make_subject(clean_db: str) -> Iterator[MakeSubject]:
     def make(subject: str, redis_url: str | None = None, **config: Any) -> Subject:
         trace: Trace = []
         connection_class = type("Counting", (CountingConnection,), {"trace": trace})
+        # The subject's own database options (its claim commit, its pool), plus
+        # the counting connections.
+        options = subject_config(subject, clean_db, "")["IDEMPOTENCY_DATABASE_OPTIONS"]
         settings: dict[str, Any] = {
             "IDEMPOTENCY_DATABASE_URL": clean_db,
-            "IDEMPOTENCY_DATABASE_OPTIONS": {"connection_factory": connection_class},
+            "IDEMPOTENCY_DATABASE_OPTIONS": {**options, "connection_factory": connection_class},
             # The lease keeper's renewals run on their own thread every lease / 3;
             # with renewal off no statement but the request's can appear.
             "IDEMPOTENCY_LEASE_RENEW_INTERVAL": 0,
