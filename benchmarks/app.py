@@ -15,8 +15,8 @@ that the only difference between two subjects is what idempotency adds:
 ``pg+redis``
     the extension with the Redis cache of completed responses.
 ``pg-synccommit``
-    ``pg`` with ``IDEMPOTENCY_ASYNC_CLAIM_COMMIT`` off: the claim commits durably
-    on its own. It exists to put a number on that setting.
+    ``pg`` with ``IDEMPOTENCY_DATABASE_OPTIONS["async_claim_commit"]`` off: the claim
+    commits durably on its own. It exists to put a number on that setting.
 ``pg+redis-fill-on-completion``
     ``pg+redis`` with ``IDEMPOTENCY_REDIS_OPTIONS["fill"] = "completion"`` (the default
     before 0.3): a SET on every first request. Not in the default run; name it

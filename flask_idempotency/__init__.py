@@ -20,17 +20,14 @@ from .errors import (
 )
 from .extension import Idempotency
 from .recovery import Abandoned
-from .responses import EXPOSED_HEADERS
 from .scopes import authorization_scope, default_scope, global_scope, user_scope
-from .settings import NOT_STORED_STATUSES, Settings, default_should_store
+from .settings import default_should_store
 
 #: The release; pyproject.toml reads it from here (the one place it is written).
 __version__ = "0.2.0"
 
 __all__ = [
-    "EXPOSED_HEADERS",
     "Abandoned",
-    "NOT_STORED_STATUSES",
     "Idempotency",
     "IdempotencyError",
     "InvalidKey",
@@ -43,7 +40,6 @@ __all__ = [
     "SchemaMissing",
     "SchemaOutdated",
     "ScopeUnavailable",
-    "Settings",
     "StoreUnavailable",
     "authorization_scope",
     "default_scope",

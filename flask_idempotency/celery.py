@@ -67,13 +67,8 @@ from typing import Any
 from flask import Flask, current_app, has_app_context
 
 from .events.amqp import DEFAULT_TIMEOUT, BrokerUnavailable, connect, redact
-from .events.consumer import (
-    ConsumerGuard,
-    ConsumerOutcome,
-    Delivery,
-    Result,
-    consumer_options,
-)
+from .events.consumer import ConsumerGuard
+from .events.messages import ConsumerOutcome, Delivery, Result, consumer_options
 from .events.outbox import OutboxEvent
 from .store.base import StoredResponse
 
@@ -150,26 +145,26 @@ class TaskDeferred(Exception):
         return f"{self.reason}: try again in {self.delay:.2f} s"
 
 
-def encode_result(value: Any) -> StoredResponse:
+def _encode_result(value: Any) -> StoredResponse:
     """A task's return value as the record stores it: JSON (``TypeError`` otherwise,
     which fails the attempt like an exception of the task)."""
     body = json.dumps(value, separators=(",", ":"), allow_nan=False)
     return StoredResponse(200, _RESULT_HEADERS, body.encode("utf-8"))
 
 
-def decode_result(stored: StoredResponse | None) -> Any:
-    """The value :func:`encode_result` stored; ``None`` for a record without one."""
+def _decode_result(stored: StoredResponse | None) -> Any:
+    """The value :func:`_encode_result` stored; ``None`` for a record without one."""
     if stored is None or not stored.body:
         return None
     return json.loads(stored.body)
 
 
-class TaskGuard(ConsumerGuard):
+class _TaskGuard(ConsumerGuard):
     """The consumer guard whose completed record keeps the task's result, and
     whose retries are Celery's."""
 
     def stored_record(self, returned: Any) -> StoredResponse:
-        return encode_result(returned)
+        return _encode_result(returned)
 
     def worker_losses(self, takeovers: int, delivery: Delivery) -> int:
         """Takeovers not explained by a retry: each attempt that raised and was
@@ -230,7 +225,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
     idempotency_max_worker_losses: int | None = 3
 
     @property
-    def idempotency_guard(self) -> TaskGuard:
+    def idempotency_guard(self) -> _TaskGuard:
         """The guard this task runs through (built on first use: Celery sets the
         task's options as attributes after the class is made)."""
         guard = self.__dict__.get("_idempotency_guard")
@@ -246,7 +241,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
                 busy_delay=self.idempotency_busy_delay,
                 max_worker_losses=self.idempotency_max_worker_losses,
             )
-            guard = self.__dict__["_idempotency_guard"] = TaskGuard(self._run_delivery, options)
+            guard = self.__dict__["_idempotency_guard"] = _TaskGuard(self._run_delivery, options)
         return guard
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -324,7 +319,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         if outcome is ConsumerOutcome.HANDLED or outcome is ConsumerOutcome.DUPLICATE:
             if outcome is ConsumerOutcome.DUPLICATE:
                 log.info("task %s[%s]: already done; stored result returned", self.name, request.id)
-            return decode_result(result.stored)
+            return _decode_result(result.stored)
         if result.error is not None and outcome is not ConsumerOutcome.FENCED:
             # The task raised (its writes were rolled back, its claim ended):
             # Celery's retry policy decides what comes next.
@@ -436,15 +431,13 @@ class TaskPublisher:
                 pass
 
 
+#: What an application uses; ``KEY_HEADER`` (the header a task's key travels in)
+#: is read by name by producers that set it themselves.
 __all__ = [
-    "KEY_HEADER",
     "IdempotentTask",
     "TaskDeferred",
-    "TaskGuard",
     "TaskKeyMissing",
     "TaskKeyReused",
     "TaskPublisher",
     "TaskWorkerLost",
-    "decode_result",
-    "encode_result",
 ]

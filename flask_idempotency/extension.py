@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -36,7 +35,8 @@ from .store.memory import MemoryStore, is_memory_url
 from .store.postgres import PostgresStore
 
 if TYPE_CHECKING:
-    from .events.consumer import ConsumerGuard, Handler, KeyFunc
+    from .events.consumer import ConsumerGuard
+    from .events.messages import Handler, KeyFunc
 
 log = logging.getLogger("flask_idempotency")
 
@@ -241,8 +241,9 @@ class Idempotency:
         route's claim, lease and fencing; dead-letter after ``max_attempts``.
         See ``events/consumer.py``."""
         from .events import consumer as events_consumer  # the events layer, on first use
+        from .events.messages import consumer_options
 
-        options = events_consumer.consumer_options(
+        options = consumer_options(
             name,
             key=key,
             max_attempts=max_attempts,
@@ -301,17 +302,6 @@ class Idempotency:
         except StoreUnavailableError as exc:
             raise from_store_error(exc, state.settings.retry_after) from exc
 
-    @property
-    def state(self) -> AppState:
-        """Deprecated: the extension's internals. Use :meth:`ping` for health checks."""
-        warnings.warn(
-            "Idempotency.state is internal and will be removed; use idempotency.ping() "
-            "for health checks",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return app_state()
-
 
 def _check_schema(store: PostgresStore | MemoryStore) -> None:
     """Name a forgotten ``migrate`` at start-up, where the database answers (one
@@ -330,27 +320,3 @@ def _check_schema(store: PostgresStore | MemoryStore) -> None:
         store.check_schema_at_start()
     except StoreUnavailableError as exc:
         log.warning("idempotency: schema not checked at start, PostgreSQL failed (%s)", exc)
-
-
-#: Names this module had before the state moved to ``state.py``: old -> new home.
-_MOVED = {
-    "EXTENSION_KEY": ("flask_idempotency.state", "EXTENSION_KEY"),
-    "IdempotencyState": ("flask_idempotency.state", "AppState"),
-    "RequestState": ("flask_idempotency.state", "RequestState"),
-    "RouteDecorator": ("flask_idempotency.decorators", "RouteDecorator"),
-    "SAFE_METHODS": ("flask_idempotency.runtime", "SAFE_METHODS"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """Old names keep working for one release, with a ``DeprecationWarning``."""
-    moved = _MOVED.get(name)
-    if moved is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, new = moved
-    warnings.warn(
-        f"flask_idempotency.extension.{name} is now {module}.{new}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(module), new)

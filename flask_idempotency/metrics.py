@@ -21,12 +21,12 @@ from werkzeug.exceptions import HTTPException
 from . import flow
 from .digests import log_key
 from .observer import (
-    PHASE_COMPLETE,
     Attributes,
     AttributeValue,
     Observer,
     RequestEvent,
     RequestOutcome,
+    Stage,
 )
 from .request_log import BREAKER_REFUSAL_LEVEL, LEVELS, TAKEOVER_LEVEL, log, log_event
 from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
@@ -159,21 +159,21 @@ class Metrics:
         if outcome is not None:
             self.record(None, outcome, status=400)
 
-    def phase(
+    def stage(
         self,
-        phase: str,
+        stage: Stage,
         ctx: RequestFacts,
         *,
         source: str | None = None,
         status: int | None = None,
-    ) -> Phase:
-        """A context manager around one phase, for the observers' spans and
+    ) -> StageTimer:
+        """A context manager around one stage, for the observers' spans and
         histograms; a shared no-op while nobody observes."""
         if not self.observers:
-            return NULL_PHASE
+            return NULL_TIMER
         attributes: Attributes = {}
-        if not any(observer.phase_attributes for observer in self.observers):
-            return _Phase(self.observers, phase, attributes)
+        if not any(observer.stage_attributes for observer in self.observers):
+            return _StageTimer(self.observers, stage, attributes)
         attributes["idempotency.route"] = _where(ctx.request)[0]
         if ctx.record_key is not None:
             attributes["idempotency.key_digest"] = log_key(ctx.record_key)
@@ -181,15 +181,15 @@ class Metrics:
             attributes["idempotency.replay.source"] = source
         if status is not None:
             attributes["http.response.status_code"] = status
-        return _Phase(self.observers, phase, attributes)
+        return _StageTimer(self.observers, stage, attributes)
 
 
-class Phase:
-    """A phase nobody observes: every method does nothing."""
+class StageTimer:
+    """A stage nobody observes: every method does nothing."""
 
     __slots__ = ()
 
-    def __enter__(self) -> Phase:
+    def __enter__(self) -> StageTimer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -199,34 +199,36 @@ class Phase:
         """Note what the claim decided (the claim span's result and takeover)."""
 
     def set(self, name: str, value: AttributeValue) -> None:
-        """Note one more attribute of the phase."""
+        """Note one more attribute of the stage."""
 
 
-NULL_PHASE = Phase()
+NULL_TIMER = StageTimer()
 
 
-class _Phase(Phase):
-    __slots__ = ("_observers", "_name", "_attributes", "_tokens", "_started")
+class _StageTimer(StageTimer):
+    __slots__ = ("_observers", "_stage", "_attributes", "_tokens", "_started")
 
-    def __init__(self, observers: tuple[Observer, ...], name: str, attributes: Attributes) -> None:
+    def __init__(
+        self, observers: tuple[Observer, ...], stage: Stage, attributes: Attributes
+    ) -> None:
         self._observers = observers
-        self._name = name
+        self._stage = stage
         self._attributes = attributes
         self._tokens: list[object] = []
         self._started = 0.0
 
-    def __enter__(self) -> Phase:
-        self._tokens = [o.phase_started(self._name, self._attributes) for o in self._observers]
+    def __enter__(self) -> StageTimer:
+        self._tokens = [o.stage_started(self._stage, self._attributes) for o in self._observers]
         self._started = time.perf_counter()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         seconds = time.perf_counter() - self._started
         error = exc_info[1] if isinstance(exc_info[1], BaseException) else None
-        if self._name == PHASE_COMPLETE:
+        if self._stage is Stage.COMPLETE:
             self._attributes["idempotency.outcome"] = _completion_outcome(error)
         for observer, token in zip(self._observers, self._tokens, strict=True):
-            observer.phase_ended(self._name, token, seconds, self._attributes, error)
+            observer.stage_ended(self._stage, token, seconds, self._attributes, error)
 
     def decided(self, decision: flow.Decision, takeover: bool) -> None:
         result = _CLAIM_RESULTS.get(type(decision))

@@ -2,9 +2,9 @@
 
 Every request that reaches a decorated view ends in exactly one
 :class:`RequestOutcome`. The extension counts it per process (``idempotency.metrics()``),
-logs it (``flask_idempotency.requests``, see ``logs.py``) and hands it, as a
+logs it (``flask_idempotency.requests``, see ``request_log.py``) and hands it, as a
 :class:`RequestEvent`, to the observers attached to the app. It also times its
-phases (the claim, a replay, the completion) for them, and reports what its
+stages (the claim, a replay, the completion) for them, and reports what its
 parts see: lease renewals and takeovers, the Redis cache and its breaker, the
 connection pool.
 
@@ -80,10 +80,14 @@ class RequestOutcome(str, enum.Enum):
     SAFE_METHOD = "safe_method"
 
 
-#: The phases an observer is told about, as ``phase_started`` / ``phase_ended`` names.
-PHASE_CLAIM = "claim"
-PHASE_REPLAY = "replay"
-PHASE_COMPLETE = "complete"
+class Stage(str, enum.Enum):
+    """The timed stages of a request an observer is told about (``stage_started`` /
+    ``stage_ended``). Not the recovery points a view runs with ``idempotency.phase()``:
+    those are the application's own, and are stored with the record."""
+
+    CLAIM = "claim"
+    REPLAY = "replay"
+    COMPLETE = "complete"
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,14 +140,14 @@ class Observer:
     """Hooks called by the extension; each does nothing unless overridden.
 
     Called on request threads (and the lease keeper's thread): keep them quick,
-    thread-safe and free of exceptions. ``phase_started`` returns anything; it
-    comes back to ``phase_ended`` of the same phase, so a tracer can carry its
+    thread-safe and free of exceptions. ``stage_started`` returns anything; it
+    comes back to ``stage_ended`` of the same stage, so a tracer can carry its
     span across.
     """
 
-    #: Whether ``phase_started`` needs the phase's attributes from the start (the
+    #: Whether ``stage_started`` needs the stage's attributes from the start (the
     #: route, the key digest: a span's); without, they are not computed.
-    phase_attributes = False
+    stage_attributes = False
 
     def request_finished(self, event: RequestEvent) -> None:
         """A request reached its outcome."""
@@ -151,19 +155,19 @@ class Observer:
     def claimed(self, takeover: bool) -> None:
         """A claim was won: the view is about to run (``request_finished`` follows)."""
 
-    def phase_started(self, phase: str, attributes: Attributes) -> object:
-        """A phase (``PHASE_CLAIM``, ``PHASE_REPLAY``, ``PHASE_COMPLETE``) begins."""
+    def stage_started(self, stage: Stage, attributes: Attributes) -> object:
+        """A :class:`~flask_idempotency.observability.Stage` of a request begins."""
         return None
 
-    def phase_ended(
+    def stage_ended(
         self,
-        phase: str,
+        stage: Stage,
         started: object,
         seconds: float,
         attributes: Attributes,
         error: BaseException | None,
     ) -> None:
-        """The phase ended after ``seconds``; ``attributes`` now hold its result."""
+        """The stage ended after ``seconds``; ``attributes`` now hold its result."""
 
     def leases_renewed(self, renewed: int) -> None:
         """The lease keeper extended ``renewed`` leases in one round."""

@@ -34,7 +34,7 @@ from .errors import (
     from_store_error,
     refused_as_data,
 )
-from .observer import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, RequestOutcome
+from .observer import RequestOutcome, Stage
 from .request_body import read_body
 from .route_options import RouteOptions
 from .state import RequestState, app_state, bind, request_state, unbind
@@ -173,12 +173,12 @@ def _in_progress(decision: flow.Decision) -> bool:
 
 def _claim(ctx: RequestState, lease: float) -> tuple[flow.Decision, Existing | None]:
     """The engine's claim, timed for the observers; a store failure is a 503."""
-    with ctx.state.metrics.phase(PHASE_CLAIM, ctx) as phase:
+    with ctx.state.metrics.stage(Stage.CLAIM, ctx) as stage:
         try:
             decision, existing = engine.claim(ctx, lease, recovery=ctx.recovery)
         except StoreUnavailableError as exc:
             raise refusal(ctx, exc, observed=True) from exc
-        phase.decided(decision, ctx.takeover)
+        stage.decided(decision, ctx.takeover)
     return decision, existing
 
 
@@ -222,7 +222,7 @@ def _pass_through(ctx: RequestState) -> RequestOutcome:
 def _replay(ctx: RequestState, stored: StoredResponse, source: str) -> Response:
     """Answer with a stored response, from the cache or the store."""
     ctx.replayed = True
-    with ctx.state.metrics.phase(PHASE_REPLAY, ctx, source=source, status=stored.status):
+    with ctx.state.metrics.stage(Stage.REPLAY, ctx, source=source, status=stored.status):
         answer = responses.replay(
             stored, ctx.state.profile, ctx.state.settings.not_replayed_headers
         )
@@ -309,7 +309,7 @@ def _settle_claim(ctx: RequestState, response: Response) -> Response:
         release(ctx, status=DrillFailure.code)
         return _error_response(DrillFailure(retry_after=state.settings.retry_after))
     try:
-        with state.metrics.phase(PHASE_COMPLETE, ctx, status=stored.status):
+        with state.metrics.stage(Stage.COMPLETE, ctx, status=stored.status):
             engine.complete(ctx, stored)
     except LeaseLostError:
         record(ctx, RequestOutcome.LEASE_LOST, status=LeaseLost.code)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import string
-import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from flask import Request
 
@@ -53,8 +52,7 @@ class Settings:
     connect_timeout: int = 3
     #: ``IDEMPOTENCY_DATABASE_OPTIONS``: a mapping of the database options listed here
     #: (``pool_size``, ``statement_timeout``...); any other key in it is a libpq
-    #: connection parameter (``sslmode``, ``application_name``...). Replaces the flat
-    #: keys (``IDEMPOTENCY_POOL_SIZE``...), which still work for a release, with a warning.
+    #: connection parameter (``sslmode``, ``application_name``...).
     connect_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: ``IDEMPOTENCY_KEY_HEADER``: the request header carrying the client's key.
     key_header: str = "Idempotency-Key"
@@ -72,8 +70,10 @@ class Settings:
     #: ``IDEMPOTENCY_WAIT``: seconds a duplicate waits for the first request to finish
     #: and replays it, instead of an immediate 409 (0 = answer 409 at once).
     wait: float = 0.0
-    #: ``IDEMPOTENCY_WAIT_POLL_INTERVAL``: seconds between checks while waiting.
-    wait_poll_interval: float = 0.05
+    #: Seconds between a waiting duplicate's checks. Not a key: what an application
+    #: chooses is how long a duplicate waits (``WAIT``); 50 ms answers it within a
+    #: tick of the first request finishing, at ~20 small queries a second.
+    wait_poll_interval: ClassVar[float] = 0.05
     #: ``IDEMPOTENCY_SHOULD_STORE``: ``f(status) -> bool``, which answers are stored.
     should_store: ShouldStore = default_should_store
     #: ``IDEMPOTENCY_SCOPE_FUNC``: ``f(request) -> str | None``, the principal (user,
@@ -112,9 +112,10 @@ class Settings:
     redis_breaker_threshold: int = 3
     #: ``IDEMPOTENCY_REDIS_OPTIONS["breaker_cooldown"]``: seconds Redis is skipped once open.
     redis_breaker_cooldown: float = 5.0
-    #: ``IDEMPOTENCY_REDIS_OPTIONS["compress_over"]``: bodies above this many bytes are
-    #: zlib-compressed.
-    redis_compress_over: int = 4096
+    #: Bodies above this many bytes are zlib-compressed in Redis. Not a key: a detail
+    #: of the cache's encoding (deflating a few kB costs less than sending them),
+    #: not a deployment decision.
+    redis_compress_over: ClassVar[int] = 4096
     #: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]``: when a completed response is copied to Redis.
     #: ``"replay"`` (the default): the first time it is replayed from PostgreSQL;
     #: first requests skip the SET, and Redis holds only keys that were retried
@@ -126,9 +127,10 @@ class Settings:
     #: ``"stripe"`` (JSON errors, ``Idempotent-Replayed: true|false``) or ``"ietf"``
     #: (RFC 9457 problem details, ``Idempotency-Replayed: true`` on replays only).
     profile: str = "stripe"
-    #: ``IDEMPOTENCY_PROBLEM_TYPE_BASE``: prefix of a problem's ``type`` (ietf profile);
-    #: the error code completes it.
-    problem_type_base: str = "urn:flask-idempotency:error:"
+    #: Prefix of a problem's ``type`` (ietf profile), completed by the error code. Not
+    #: a key: RFC 9457 asks only that a type be a stable URI, and a URN is one; the
+    #: ``code`` member is what clients branch on.
+    problem_type_base: ClassVar[str] = "urn:flask-idempotency:error:"
     #: ``IDEMPOTENCY_OVERSIZE``: an answer whose body is over ``MAX_STORED_BODY``.
     #: ``"omit_body"``: kept and stored without its body; the client gets it whole,
     #: retries get its status and headers with ``Idempotency-Body-Omitted: true``. A
@@ -207,7 +209,6 @@ _SECONDS_FIELDS = {
     "lease",
     "lease_renew_interval",
     "wait",
-    "wait_poll_interval",
     "pool_timeout",
     "redis_timeout",
     "redis_breaker_cooldown",
@@ -219,7 +220,6 @@ _INT_FIELDS = {
     "retry_after",
     "max_stored_body",
     "redis_breaker_threshold",
-    "redis_compress_over",
     "store_breaker_threshold",
 }
 _BOOL_FIELDS = {
@@ -229,7 +229,7 @@ _BOOL_FIELDS = {
     "testing_drills",
 }
 _CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
-#: ``IDEMPOTENCY_REDIS_FILL`` values (see :attr:`Settings.redis_fill`).
+#: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]`` values (see :attr:`Settings.redis_fill`).
 REDIS_FILLS = ("completion", "replay")
 #: ``IDEMPOTENCY_PROFILE`` values (see :attr:`Settings.profile`).
 PROFILE_NAMES = ("stripe", "ietf")
@@ -304,7 +304,6 @@ OPTION_GROUPS: dict[str, dict[str, str]] = {
         "timeout": "redis_timeout",
         "breaker_threshold": "redis_breaker_threshold",
         "breaker_cooldown": "redis_breaker_cooldown",
-        "compress_over": "redis_compress_over",
         "fill": "redis_fill",
     },
     "broker_options": {"exchange": "events_exchange"},
@@ -319,6 +318,21 @@ GROUPED: dict[str, tuple[str, str | None]] = {
 GROUPED["connect_kwargs"] = ("database_options", None)
 
 
+#: Keys of the 0.2 line that are gone, and what to do instead; any other unknown key
+#: is a typo and is refused as one.
+REMOVED_KEYS: dict[str, str] = {
+    "wait_poll_interval": "a waiting duplicate checks every 50 ms; set IDEMPOTENCY_WAIT",
+    "problem_type_base": "problem types are urn:flask-idempotency:error:<code>",
+    "redis_compress_over": "bodies over 4 kB are compressed",
+    "pool": "pass engine= (a SQLAlchemy Engine; its pool is the one pool) to Idempotency",
+}
+#: Options of a group that are gone, as ``(group, option)`` -> what to do instead.
+REMOVED_OPTIONS: dict[tuple[str, str], str] = {
+    ("redis_options", "compress_over"): "bodies over 4 kB are compressed",
+    ("database_options", "prepare_statements"): "the extension prepares no statements",
+}
+
+
 def config_key(name: str) -> str:
     """How a field is spelled in the app's config (for messages and the docs)."""
     group, option = GROUPED.get(name, (None, None))
@@ -330,21 +344,21 @@ def config_key(name: str) -> str:
 
 
 def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config namespace with each option group spread into its fields, and the
-    old flat keys of grouped fields accepted with a ``DeprecationWarning``."""
+    """The config namespace with each option group spread into its fields.
+
+    A grouped option set as a flat key (``IDEMPOTENCY_POOL_SIZE``, the spelling of
+    the unpublished 0.2 line) fails here with its new spelling: ignoring it would
+    silently run with the default, and a warning is easy to miss in a deploy log.
+    """
     flat: dict[str, Any] = {}
-    given_flat: set[str] = set()
     for raw_name, value in config.items():
         name = raw_name.lower()
         if name in OPTION_GROUPS:
             continue
         if name in GROUPED:
-            warnings.warn(
-                f"IDEMPOTENCY_{raw_name.upper()} is deprecated: use {config_key(name)}",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-            given_flat.add(name)
+            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: use {config_key(name)}")
+        if name in REMOVED_KEYS:
+            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: {REMOVED_KEYS[name]}")
         flat[name] = value
     for group, options in OPTION_GROUPS.items():
         raw = config.get(group.upper(), config.get(group))
@@ -355,6 +369,9 @@ def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         for option, value in raw.items():
             field = options.get(str(option))
+            gone = REMOVED_OPTIONS.get((group, str(option)))
+            if gone is not None:
+                raise ValueError(f"IDEMPOTENCY_{group.upper()}[{option!r}] was removed: {gone}")
             if field is None:
                 if group != "database_options":
                     raise ValueError(
@@ -363,44 +380,15 @@ def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
                     )
                 extra[str(option)] = value  # a libpq connection parameter
                 continue
-            if field in given_flat:
-                raise ValueError(f"{config_key(field)} is also set by its deprecated flat key")
             flat[field] = value
         if extra:
-            # With the deprecated IDEMPOTENCY_CONNECT_KWARGS too: one set of libpq
-            # parameters, the group's winning where both name one.
-            flat["connect_kwargs"] = {**dict(flat.get("connect_kwargs") or {}), **extra}
+            flat["connect_kwargs"] = extra
     return flat
-
-
-#: Settings that went in 0.3.0 -> what to do instead.
-REMOVED = {
-    "POOL": "pass engine= (a SQLAlchemy Engine; its pool is the one pool) to Idempotency",
-}
-#: ``IDEMPOTENCY_DATABASE_OPTIONS`` keys that went in 0.3.0 -> why.
-REMOVED_DATABASE_OPTIONS = {
-    "prepare_statements": "the extension no longer prepares statements; remove it",
-}
-
-
-def _refuse_removed(config: Mapping[str, Any]) -> None:
-    """A removed setting fails at ``init_app`` naming what replaces it."""
-    for name, instead in REMOVED.items():
-        if name in config or name.lower() in config:
-            raise ValueError(f"IDEMPOTENCY_{name} was removed in 0.3.0: {instead}")
-    options = config.get("DATABASE_OPTIONS", config.get("database_options"))
-    if isinstance(options, Mapping):
-        for option, instead in REMOVED_DATABASE_OPTIONS.items():
-            if option in options:
-                raise ValueError(
-                    f'IDEMPOTENCY_DATABASE_OPTIONS["{option}"] was removed in 0.3.0: {instead}'
-                )
 
 
 def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = False) -> Settings:
     """Build :class:`Settings` from a config namespace (``IDEMPOTENCY_`` prefix stripped);
     ``engine_given``: the app gave its SQLAlchemy database (``db=``), so no DSN."""
-    _refuse_removed(config)
     fields = {f.name for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
     for name, value in _ungroup(config).items():
@@ -478,8 +466,8 @@ def validate(settings: Settings) -> None:
         )
     if settings.retry_after < 0:
         raise ValueError("IDEMPOTENCY_RETRY_AFTER must not be negative")
-    if settings.wait < 0 or settings.wait_poll_interval <= 0:
-        raise ValueError("IDEMPOTENCY_WAIT must be >= 0 and IDEMPOTENCY_WAIT_POLL_INTERVAL > 0")
+    if settings.wait < 0:
+        raise ValueError("IDEMPOTENCY_WAIT must be >= 0")
     if settings.max_stored_body < 0:
         raise ValueError("IDEMPOTENCY_MAX_STORED_BODY must not be negative")
     for pattern in settings.not_replayed_headers:

@@ -1,8 +1,9 @@
 """Sphinx helpers for this site, so that the docs have one source of truth.
 
-- ``.. idempotency-settings::`` writes one ``confval`` entry per field of
-  :class:`flask_idempotency.Settings`, from the ``#:`` comment above the field in
-  ``flask_idempotency/settings.py`` and the field's default. A key added there
+- ``.. idempotency-settings::`` writes one ``confval`` entry per key of
+  :class:`flask_idempotency.settings.Settings`, from the ``#:`` comment above the field in
+  ``flask_idempotency/settings.py`` and the field's default; a group of options is
+  one key, its options in a table. A key added there
   appears on the configuration page; one removed breaks every ``{confval}``
   reference to it (the build is nitpicky).
 - ``{repo}`path``` links to a file of this repository on GitHub, and warns (an
@@ -49,32 +50,44 @@ def _default(field: dataclasses.Field[Any]) -> str:
     return f"``{value!r}``"
 
 
+#: What each option group is for, above the table of its options (the database
+#: group's own ``#:`` comment, on ``connect_kwargs``, says it for that one).
+GROUP_INTROS = {
+    "redis_options": "The Redis cache's options, beside ``IDEMPOTENCY_REDIS_URL``:",
+    "broker_options": "The event relay's options, beside ``IDEMPOTENCY_BROKER_URL``:",
+}
+
+
 class SettingsDirective(Directive):
-    """Every ``IDEMPOTENCY_*`` key, in the order ``settings.py`` defines them."""
+    """Every ``IDEMPOTENCY_*`` key, in the order ``settings.py`` defines them.
+
+    A group of options (``IDEMPOTENCY_DATABASE_OPTIONS``...) is one key, listed where
+    its first option is defined, with its options in a table under it: as
+    Flask-Limiter documents ``RATELIMIT_STORAGE_OPTIONS``.
+    """
 
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        from flask_idempotency.settings import Settings, config_key
+        from flask_idempotency.settings import GROUPED, OPTION_GROUPS, Settings, config_key
 
         analyzer = ModuleAnalyzer.for_module("flask_idempotency.settings")
         docs = analyzer.find_attr_docs()
+        fields = {field.name: field for field in dataclasses.fields(Settings)}
         lines: list[str] = []
-        for field in dataclasses.fields(Settings):
-            comment = list(docs.get(("Settings", field.name), []))
+        listed_groups: set[str] = set()
+        #: The field that holds a group's other options (the database's libpq
+        #: parameters), whose comment introduces the group.
+        holders = {g: name for name, (g, option) in GROUPED.items() if option is None}
+        for field in fields.values():
+            group, option = GROUPED.get(field.name, (None, None))
+            if group is not None:
+                if group not in listed_groups:
+                    listed_groups.add(group)
+                    lines += self._group(group, OPTION_GROUPS[group], holders, fields, docs)
+                continue
             key = config_key(field.name)
-            if not comment:
-                log.warning("flask_idempotency/settings.py: %s has no #: comment", field.name)
-                comment = [""]
-            match = _KEY_PREFIX.match(comment[0])
-            if match is None or match.group(1) != key:
-                log.warning(
-                    "flask_idempotency/settings.py: the #: comment of %s should start with ``%s``:",
-                    field.name,
-                    key,
-                )
-            else:
-                comment[0] = comment[0][match.end() :]
+            comment = self._comment(docs, field.name, key)
             lines += [
                 f".. confval:: {key}",
                 f"   :type: ``{field.type}``",
@@ -87,6 +100,60 @@ class SettingsDirective(Directive):
         node.document = self.state.document
         nested_parse_with_titles(self.state, StringList(lines, source="settings.py"), node)
         return node.children
+
+    @staticmethod
+    def _comment(docs: dict[tuple[str, str], list[str]], name: str, key: str) -> list[str]:
+        """The field's ``#:`` comment without its leading key, which must be ``key``."""
+        comment = list(docs.get(("Settings", name), []))
+        if not comment:
+            log.warning("flask_idempotency/settings.py: %s has no #: comment", name)
+            return [""]
+        match = _KEY_PREFIX.match(comment[0])
+        if match is None or match.group(1) != key:
+            log.warning(
+                "flask_idempotency/settings.py: the #: comment of %s should start with ``%s``:",
+                name,
+                key,
+            )
+        else:
+            comment[0] = comment[0][match.end() :]
+        return comment
+
+    def _group(
+        self,
+        group: str,
+        options: dict[str, str],
+        holders: dict[str, str],
+        fields: dict[str, dataclasses.Field[Any]],
+        docs: dict[tuple[str, str], list[str]],
+    ) -> list[str]:
+        """One ``confval`` for the group, its options in a list table under it."""
+        key = f"IDEMPOTENCY_{group.upper()}"
+        holder = holders.get(group)
+        intro = self._comment(docs, holder, key) if holder else [GROUP_INTROS[group]]
+        lines = [f".. confval:: {key}", "   :type: ``Mapping[str, Any]``", "   :default: ``{}``"]
+        lines.append("")
+        lines += [f"   {line}" if line else "" for line in intro]
+        lines += [
+            "",
+            "   .. list-table::",
+            "      :header-rows: 1",
+            "      :widths: 20 15 65",
+            "",
+            "      * - option",
+            "        - default",
+            "        - what it sets",
+        ]
+        for option, name in options.items():
+            comment = self._comment(docs, name, f'{key}["{option}"]')
+            lines += [
+                f"      * - ``{option}``",
+                f"        - {_default(fields[name])}",
+                f"        - {comment[0]}",
+            ]
+            lines += [f"          {line}" if line else "" for line in comment[1:]]
+        lines.append("")
+        return lines
 
 
 def repo_role(

@@ -14,44 +14,29 @@ broker client.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .amqp import BrokerUnavailable, ConsumerWorker, Publisher, Subscription
-    from .consumer import ConsumerGuard, ConsumerOutcome, Delivery, Result
+    from .amqp import ConsumerWorker, Subscription
     from .embedded import EmbeddedEvents
-    from .outbox import OutboxEvent
-    from .relay import Relay, RelayStats
+    from .messages import ConsumerOutcome, Delivery
+    from .relay import Relay
 
-#: Where each public name lives.
+#: Where each public name lives: what an application writes to run consumers and
+#: the relay. What they hand back (``ConsumerGuard``, ``messages.Result``, ``RelayStats``)
+#: and the broker's parts (``Publisher``, ``BrokerUnavailable``) are documented in
+#: their modules.
 _HOMES = {
-    "BrokerUnavailable": "amqp",
     "ConsumerWorker": "amqp",
-    "Publisher": "amqp",
     "Subscription": "amqp",
-    "ConsumerGuard": "consumer",
-    "ConsumerOutcome": "consumer",
-    "Delivery": "consumer",
-    "Result": "consumer",
+    "ConsumerOutcome": "messages",
+    "Delivery": "messages",
     "EmbeddedEvents": "embedded",
-    "OutboxEvent": "outbox",
     "Relay": "relay",
-    "RelayStats": "relay",
 }
-#: Old names kept for one release, with a warning: old name -> new name.
-_RENAMED = {"Outcome": "ConsumerOutcome"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(
-            f"flask_idempotency.events.{name} is now {new}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        name = new
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -59,16 +44,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BrokerUnavailable",
-    "ConsumerGuard",
     "ConsumerOutcome",
     "ConsumerWorker",
     "Delivery",
     "EmbeddedEvents",
-    "OutboxEvent",
-    "Publisher",
     "Relay",
-    "RelayStats",
-    "Result",
     "Subscription",
 ]

@@ -26,7 +26,8 @@ from typing import Any
 
 from flask import Flask
 
-from .consumer import ConsumerGuard, ConsumerOutcome, Delivery, Result
+from .consumer import ConsumerGuard
+from .messages import ConsumerOutcome, Delivery, Result
 from .outbox import OutboxEvent
 
 log = logging.getLogger("flask_idempotency.events")

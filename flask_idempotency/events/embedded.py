@@ -27,7 +27,8 @@ from typing import Any
 from flask import Flask
 
 from ..state import app_state
-from .consumer import ConsumerGuard, ConsumerOutcome, Delivery
+from .consumer import ConsumerGuard
+from .messages import ConsumerOutcome, Delivery
 from .outbox import OutboxEvent
 from .relay import DEFAULT_POLL_INTERVAL, Relay
 

@@ -93,9 +93,9 @@ class Relay:
     def relay_batch(self) -> int:
         """Publish one batch; return how many rows it took (0: nothing pending).
 
-        Raises :class:`BrokerUnavailable` or ``StoreUnavailableError`` after
-        committing what the broker did confirm (``SchemaMismatchError`` when the
-        database has no outbox).
+        Raises :class:`~flask_idempotency.events.amqp.BrokerUnavailable` or
+        ``StoreUnavailableError`` after committing what the broker did confirm
+        (``SchemaMismatchError`` when the database has no outbox).
         """
         error: BrokerUnavailable | None = None
         with self.store.transaction() as conn:

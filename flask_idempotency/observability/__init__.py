@@ -1,9 +1,9 @@
 """What the extension reports about its work, for metrics, traces and logs.
 
 Every request that reaches a decorated view ends in exactly one
-:class:`RequestOutcome` (``Outcome`` here, for short). The extension counts it
+:class:`RequestOutcome`. The extension counts it
 per process (``idempotency.metrics()``), logs it (``flask_idempotency.requests``,
-see ``logs.py``) and hands it, as a :class:`RequestEvent`, to the observers
+see ``request_log.py``) and hands it, as a :class:`RequestEvent`, to the observers
 attached to the app with :func:`attach`. The types live in
 ``flask_idempotency.observer``, below every part that reports to them.
 
@@ -18,21 +18,8 @@ from __future__ import annotations
 
 from flask import Flask
 
-from ..observer import (
-    PHASE_CLAIM,
-    PHASE_COMPLETE,
-    PHASE_REPLAY,
-    Attributes,
-    AttributeValue,
-    Observer,
-    RequestEvent,
-    RequestOutcome,
-    scope_digest,
-)
+from ..observer import Observer, RequestEvent, RequestOutcome, Stage
 from ..state import app_state
-
-#: The request outcome under its short name (the ``outcome`` label's values).
-Outcome = RequestOutcome
 
 
 def attach(app: Flask, observer: Observer) -> None:
@@ -54,15 +41,9 @@ def attach(app: Flask, observer: Observer) -> None:
 
 
 __all__ = [
-    "PHASE_CLAIM",
-    "PHASE_COMPLETE",
-    "PHASE_REPLAY",
-    "AttributeValue",
-    "Attributes",
     "Observer",
-    "Outcome",
     "RequestEvent",
     "RequestOutcome",
+    "Stage",
     "attach",
-    "scope_digest",
 ]

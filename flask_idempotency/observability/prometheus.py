@@ -46,12 +46,11 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from ..observer import (
-    PHASE_CLAIM,
-    PHASE_COMPLETE,
     Attributes,
     Observer,
     RequestEvent,
     RequestOutcome,
+    Stage,
 )
 from ..state import app_state
 from . import attach, multiprocess_check
@@ -337,17 +336,17 @@ class PrometheusMetrics(Observer):
         if takeover:
             self._m.takeovers.inc()
 
-    def phase_ended(
+    def stage_ended(
         self,
-        phase: str,
+        stage: Stage,
         started: object,
         seconds: float,
         attributes: Attributes,
         error: BaseException | None,
     ) -> None:
-        if phase == PHASE_CLAIM:
+        if stage is Stage.CLAIM:
             self._m.claim_seconds.observe(seconds)
-        elif phase == PHASE_COMPLETE:
+        elif stage is Stage.COMPLETE:
             self._m.completion_seconds.observe(seconds)
 
     def leases_renewed(self, renewed: int) -> None:

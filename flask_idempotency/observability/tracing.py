@@ -23,7 +23,7 @@ run, so an instrumented database driver's spans nest under the claim:
 
 Each carries ``idempotency.route`` and ``idempotency.key_digest`` (12 hex digits
 of the record's SHA-256 digest, as in the logs); never the raw key, the scope or
-a body. A failed phase has an error status and the exception recorded. The
+a body. A failed stage has an error status and the exception recorded. The
 request's span (the one current around the view) gets ``idempotency.outcome``
 and, for replays, ``idempotency.replay.source``.
 """
@@ -39,17 +39,13 @@ from opentelemetry import context, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
-from ..observer import PHASE_CLAIM, PHASE_COMPLETE, PHASE_REPLAY, Attributes, Observer, RequestEvent
+from ..observer import Attributes, Observer, RequestEvent, Stage
 from . import attach
 
-SPAN_NAMES = {
-    PHASE_CLAIM: "idempotency.claim",
-    PHASE_REPLAY: "idempotency.replay",
-    PHASE_COMPLETE: "idempotency.complete",
-}
+SPAN_NAMES = {stage: f"idempotency.{stage.value}" for stage in Stage}
 
-#: The span that was current when our outermost phase began: the request's, which
-#: gets the outcome even when the outcome is decided inside a phase.
+#: The span that was current when our outermost stage began: the request's, which
+#: gets the outcome even when the outcome is decided inside a stage.
 _request_span: ContextVar[Span | None] = ContextVar("flask_idempotency_request_span", default=None)
 
 
@@ -69,9 +65,9 @@ class _Started:
 
 
 class OpenTelemetryTracing(Observer):
-    """Spans for an app's idempotency phases; ``tracer_provider`` defaults to the global one."""
+    """Spans for an app's idempotency stages; ``tracer_provider`` defaults to the global one."""
 
-    phase_attributes = True
+    stage_attributes = True
 
     def __init__(
         self, app: Flask | None = None, *, tracer_provider: TracerProvider | None = None
@@ -86,17 +82,15 @@ class OpenTelemetryTracing(Observer):
         """Trace ``app`` (its ``Idempotency`` must be initialised already)."""
         attach(app, self)
 
-    def phase_started(self, phase: str, attributes: Attributes) -> object:
+    def stage_started(self, stage: Stage, attributes: Attributes) -> object:
         outer = _request_span.get() or trace.get_current_span()
         outer_token = _request_span.set(outer)
-        span = self._tracer.start_span(
-            SPAN_NAMES.get(phase, f"idempotency.{phase}"), kind=SpanKind.INTERNAL
-        )
+        span = self._tracer.start_span(SPAN_NAMES[stage], kind=SpanKind.INTERNAL)
         return _Started(span, context.attach(trace.set_span_in_context(span)), outer_token)
 
-    def phase_ended(
+    def stage_ended(
         self,
-        phase: str,
+        stage: Stage,
         started: object,
         seconds: float,
         attributes: Attributes,

@@ -3,7 +3,7 @@
 The check sends ``duplicates`` identical requests (same body, same
 ``Idempotency-Key``) at the same moment from as many threads, each on a
 connection of its own, to a server that really runs them concurrently (a
-:class:`~flask_idempotency.testing.LiveServer`, gunicorn, a deployed app). A
+:class:`~flask_idempotency.testing.live_server.LiveServer`, gunicorn, a deployed app). A
 duplicate answered ``409`` with ``Retry-After`` (the first one is still
 running) is retried until it gets a final answer. Then:
 
@@ -41,8 +41,6 @@ from urllib.parse import urlsplit
 
 from ..errors import DRILL_FAIL_AFTER_VIEW, DRILL_HEADER, DrillFailure
 from ..profiles import PROFILES
-
-__all__ = ["Answer", "IdempotencyReport", "assert_idempotent"]
 
 #: Replay markers of the two profiles: ``stripe`` (also ``false`` on the original) and ``ietf``.
 REPLAY_HEADERS = tuple(profile.replayed_header for profile in PROFILES.values())
@@ -239,8 +237,8 @@ def assert_idempotent(
     retries of ``409`` answers included. ``atomicity_drill`` also fails one attempt
     after its view returned (see the module's docstring).
 
-    Returns an :class:`IdempotencyReport`; raises ``AssertionError`` listing
-    every check that failed.
+    Returns an :class:`~flask_idempotency.testing.assertions.IdempotencyReport`;
+    raises ``AssertionError`` listing every check that failed.
     """
     # pytest shows the caller's line, not this frame (whose arguments hold the key).
     __tracebackhide__ = True

@@ -20,17 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-__all__ = [
-    "IdempotencyDatabase",
-    "base_name",
-    "check_reachable",
-    "dsn_for",
-    "janitor",
-    "migrate",
-    "noproc_arguments",
-    "redact",
-]
-
 _counter = itertools.count(1)
 
 

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from flask import Flask
     from werkzeug.serving import BaseWSGIServer
 
-__all__ = ["LiveServer", "serve_app"]
 
 #: How long ``stop()`` waits for the serving thread once the server is shut down.
 _JOIN_SECONDS = 10.0

@@ -7,8 +7,8 @@ from typing import Any
 
 from flask import Flask
 
-from flask_idempotency import Settings
 from flask_idempotency.cache.redis import RedisCache
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.identity import database_identity
 
 #: The test apps' ``SECRET_KEY``: what an attacker without it cannot sign with.

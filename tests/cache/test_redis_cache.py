@@ -1,7 +1,7 @@
 """The Redis fast path: replays without PostgreSQL, and no outcome ever depends on Redis.
 
 Against the run's real PostgreSQL and Redis. PostgreSQL statements are counted
-by a psycopg2 connection subclass handed to the pool (IDEMPOTENCY_CONNECT_KWARGS),
+by a psycopg2 connection subclass handed to the pool (IDEMPOTENCY_DATABASE_OPTIONS),
 Redis commands by wrapping the cache client's ``execute_command`` (the public
 method every redis-py command goes through), and connect
 attempts by wrapping redis-py's ``Connection._connect``. Outages are a cut
@@ -31,12 +31,13 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from werkzeug.test import TestResponse
 
-from flask_idempotency import Idempotency, Settings
+from flask_idempotency import Idempotency
 from flask_idempotency.cache import codec
 from flask_idempotency.cache.keyring import TAG_SIZE
 from flask_idempotency.cache.redis import RedisCache
 from flask_idempotency.circuit import BreakerState, CircuitBreaker, Transition
 from flask_idempotency.keys import default_scope_from_header, record_key
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import StoredResponse
 from support.forking import in_forked_child
 from support.servers import ProxyFactory, ThrowawayRedis
@@ -92,20 +93,23 @@ class FakeClock:
 def build_app(database_url: str, redis_url: str | None, config: dict[str, Any]) -> Flask:
     """A payments-like view that counts its runs; the JSON body picks the status."""
     app = Flask(__name__)
-    app.config.update(
-        IDEMPOTENCY_DATABASE_URL=database_url,
-        IDEMPOTENCY_AUTO_MIGRATE=True,
+    settings: dict[str, Any] = {
+        "IDEMPOTENCY_DATABASE_URL": database_url,
+        "IDEMPOTENCY_AUTO_MIGRATE": True,
         # No keeper thread: every statement counted is the request's own.
-        IDEMPOTENCY_LEASE_RENEW_INTERVAL=0,
-        IDEMPOTENCY_CONNECT_KWARGS={"connection_factory": CountingConnection},
-        SECRET_KEY=SECRET,  # without one there is no Redis cache at all
-    )
+        "IDEMPOTENCY_LEASE_RENEW_INTERVAL": 0,
+        "IDEMPOTENCY_DATABASE_OPTIONS": {"connection_factory": CountingConnection},
+        "SECRET_KEY": SECRET,  # without one there is no Redis cache at all
+    }
     if redis_url is not None:
-        app.config["IDEMPOTENCY_REDIS_URL"] = redis_url
+        settings["IDEMPOTENCY_REDIS_URL"] = redis_url
         # These tests are about the cache's contents, so every stored answer is
         # copied as it commits; the default ("replay") has tests of its own.
-        app.config["IDEMPOTENCY_REDIS_FILL"] = "completion"
-    app.config.update(config)
+        settings["IDEMPOTENCY_REDIS_OPTIONS"] = {"fill": "completion"}
+    for name, value in config.items():  # a test's group of options adds to these
+        grouped = name.endswith("_OPTIONS") and name in settings
+        settings[name] = {**settings[name], **value} if grouped else value
+    app.config.update(settings)
     idempotency = Idempotency(app)
     runs: list[Any] = []
     app.extensions["runs"] = runs
@@ -264,9 +268,9 @@ def test_replay_is_one_redis_get_and_no_postgres_statement(
 def test_fill_on_replay_copies_a_response_only_once_it_is_retried(
     make_pay_app: MakeApp, monkeypatch: pytest.MonkeyPatch, r: redis.Redis[bytes]
 ) -> None:
-    """IDEMPOTENCY_REDIS_FILL = "replay": no SET on a first request; the first
+    """IDEMPOTENCY_REDIS_OPTIONS["fill"] = "replay": no SET on a first request; the first
     replay comes from PostgreSQL and fills the cache; later ones are one GET."""
-    app = make_pay_app(IDEMPOTENCY_REDIS_FILL="Replay")  # (case does not matter)
+    app = make_pay_app(IDEMPOTENCY_REDIS_OPTIONS={"fill": "Replay"})  # (case does not matter)
     cache = redis_cache(app)
     client = app.test_client()
     sent = redis_commands(monkeypatch, cache)
@@ -299,7 +303,10 @@ def test_fill_on_replay_serves_only_retried_keys_while_postgres_is_down(
     app = build_app(
         proxy.url_for(clean_db),
         clean_redis,
-        {"IDEMPOTENCY_REDIS_FILL": "replay", "IDEMPOTENCY_CONNECT_TIMEOUT": 1},
+        {
+            "IDEMPOTENCY_REDIS_OPTIONS": {"fill": "replay"},
+            "IDEMPOTENCY_DATABASE_OPTIONS": {"connect_timeout": 1},
+        },
     )
     try:
         client = app.test_client()
@@ -319,7 +326,7 @@ def test_fill_on_replay_serves_only_retried_keys_while_postgres_is_down(
 
 def test_an_unknown_fill_mode_is_refused_at_start(clean_db: str, clean_redis: str) -> None:
     with pytest.raises(ValueError, match=r'IDEMPOTENCY_REDIS_OPTIONS\["fill"\] must be one of'):
-        build_app(clean_db, clean_redis, {"IDEMPOTENCY_REDIS_FILL": "eager"})
+        build_app(clean_db, clean_redis, {"IDEMPOTENCY_REDIS_OPTIONS": {"fill": "eager"}})
 
 
 def test_large_binary_body_is_compressed_and_replayed_byte_for_byte(
@@ -539,8 +546,7 @@ def test_cut_redis_changes_nothing_and_the_breaker_skips_it_until_it_is_back(
     proxy = tcp_proxy(clean_redis)
     app = make_pay_app(
         redis_url=proxy.url,
-        IDEMPOTENCY_REDIS_BREAKER_THRESHOLD=3,
-        IDEMPOTENCY_REDIS_BREAKER_COOLDOWN=5,
+        IDEMPOTENCY_REDIS_OPTIONS={"breaker_threshold": 3, "breaker_cooldown": 5},
     )
     clock = FakeClock()
     cache = redis_cache(app, clock)
@@ -583,8 +589,7 @@ def test_killed_redis_changes_nothing_and_a_restarted_empty_one_is_used_again(
 ) -> None:
     app = make_pay_app(
         redis_url=throwaway_redis.url,
-        IDEMPOTENCY_REDIS_BREAKER_THRESHOLD=2,
-        IDEMPOTENCY_REDIS_BREAKER_COOLDOWN=30,
+        IDEMPOTENCY_REDIS_OPTIONS={"breaker_threshold": 2, "breaker_cooldown": 30},
     )
     clock = FakeClock()
     cache = redis_cache(app, clock)

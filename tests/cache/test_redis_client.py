@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from flask_idempotency import Settings
 from flask_idempotency.cache.redis import RedisCache
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import StoredResponse
 from support.servers import ProxyFactory, ThrowawayRedis
 

@@ -58,7 +58,7 @@ flask_app.config.update(
     IDEMPOTENCY_DATABASE_URL=DATABASE_URL,
     IDEMPOTENCY_AUTO_MIGRATE=True,
     IDEMPOTENCY_LEASE=float(_env("CT_LEASE", "5")),
-    IDEMPOTENCY_POOL_SIZE=2,
+    IDEMPOTENCY_DATABASE_OPTIONS={"pool_size": 2},
 )
 idempotency = Idempotency()
 

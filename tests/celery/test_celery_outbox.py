@@ -21,7 +21,8 @@ from events import app as events_app
 from flask import Flask
 
 from flask_idempotency.celery import TaskPublisher
-from flask_idempotency.events import OutboxEvent, Relay
+from flask_idempotency.events import Relay
+from flask_idempotency.events.outbox import OutboxEvent
 from support.pg_query import query
 
 

@@ -22,7 +22,7 @@ from celery_harness import *  # noqa: F403  (the fixtures, used by name)
 from celery_harness import CeleryWorker, wait_for_rows
 
 from flask_idempotency.celery import IdempotentTask, TaskWorkerLost
-from flask_idempotency.events.consumer import consumer_options
+from flask_idempotency.events.messages import consumer_options
 from support.pg_query import query
 
 MakeWorker = Callable[..., CeleryWorker]

@@ -9,7 +9,8 @@ from typing import Any
 from flask import Flask
 
 from flask_idempotency import Idempotency, global_scope
-from flask_idempotency.cli.doctor import Check, Options, diagnose
+from flask_idempotency.cli.doctor import diagnose
+from flask_idempotency.cli.doctor.base import Check, Options
 
 
 def make_app(database_url: str, **config: Any) -> Flask:

@@ -51,7 +51,7 @@ def test_unreachable_parts_fail_or_warn_and_the_checks_needing_postgresql_are_sk
 ) -> None:
     with app_on(
         "postgresql://postgres@127.0.0.1:9/none",
-        IDEMPOTENCY_CONNECT_TIMEOUT=1,
+        IDEMPOTENCY_DATABASE_OPTIONS={"connect_timeout": 1},
         IDEMPOTENCY_REDIS_URL="redis://127.0.0.1:9/0",
         IDEMPOTENCY_BROKER_URL="amqp://guest:guest@127.0.0.1:9//",
         IDEMPOTENCY_TESTING_DRILLS=True,

@@ -12,7 +12,7 @@ import pytest
 from flask import Flask, Request, g
 
 from flask_idempotency import global_scope, user_scope
-from flask_idempotency.cli.doctor import FAIL, OK, WARN
+from flask_idempotency.cli.doctor.base import FAIL, OK, WARN
 from flask_idempotency.decorators import RouteDecorator
 from flask_idempotency.scopes import default_scope
 

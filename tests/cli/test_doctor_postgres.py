@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from flask_idempotency.cli.doctor import FAIL, OK, WARN, Check, database
+from flask_idempotency.cli.doctor import database
+from flask_idempotency.cli.doctor.base import FAIL, OK, WARN, Check
 from support.pg_query import query
 from support.pgbouncer_server import ThrowawayPgBouncer, find_pgbouncer
 from support.postgres_server import ThrowawayPostgres

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import redis
 
-from flask_idempotency.cli.doctor import FAIL, OK, WARN
+from flask_idempotency.cli.doctor.base import FAIL, OK, WARN
 from support.redis_server import ThrowawayRedis
 
 from .doctoring import app_on, check, checks

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from flask_idempotency.cli.doctor import OK, WARN
+from flask_idempotency.cli.doctor.base import OK, WARN
 from flask_idempotency.events.outbox import OutboxEvent
 from flask_idempotency.events.relay import Relay
 from flask_idempotency.store.heartbeat import Heartbeat

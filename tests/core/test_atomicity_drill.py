@@ -19,7 +19,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from flask_idempotency import Idempotency, global_scope
-from flask_idempotency.testing import LiveServer, assert_idempotent
+from flask_idempotency.testing import assert_idempotent
+from flask_idempotency.testing.live_server import LiveServer
 
 
 def make_app(database_url: str, *, integrated: bool) -> tuple[Flask, SQLAlchemy, str]:

@@ -55,7 +55,10 @@ def test_sixty_concurrent_duplicates_run_the_view_once(
 ) -> None:
     server = gunicorn_server(
         "support.core_app:create_app()",
-        env={"DATABASE_URL": clean_db, "CORE_APP_IDEMPOTENCY_POOL_SIZE": "24"},
+        env={
+            "DATABASE_URL": clean_db,
+            "CORE_APP_IDEMPOTENCY_DATABASE_OPTIONS": '{"pool_size": 24}',
+        },
         workers=3,
         worker_class="gthread",
         threads=20,

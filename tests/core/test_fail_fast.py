@@ -35,11 +35,8 @@ MakeApp = Callable[..., Flask]
 
 #: What the tests configure: a short statement timeout, so a stalled statement is
 #: given up after 1 s + 1 s of grace; libpq's shortest connect timeout (2 s).
-FAST = {
-    "IDEMPOTENCY_STATEMENT_TIMEOUT": 1,
-    "IDEMPOTENCY_LOCK_TIMEOUT": 0.5,
-    "IDEMPOTENCY_CONNECT_TIMEOUT": 2,
-}
+FAST_OPTIONS = {"statement_timeout": 1, "lock_timeout": 0.5, "connect_timeout": 2}
+FAST = {"IDEMPOTENCY_DATABASE_OPTIONS": FAST_OPTIONS}
 #: The upper bound the tests hold a 503 to (the deadline is 2 s).
 PROMPT = 10.0
 
@@ -247,15 +244,15 @@ class Locker:
 @pytest.mark.parametrize(
     "timeouts",
     [
-        {"IDEMPOTENCY_LOCK_TIMEOUT": 0.5},
-        {"IDEMPOTENCY_LOCK_TIMEOUT": 0, "IDEMPOTENCY_STATEMENT_TIMEOUT": 0.5},
+        {"lock_timeout": 0.5},
+        {"lock_timeout": 0, "statement_timeout": 0.5},
     ],
     ids=["lock-timeout", "statement-timeout"],
 )
 def test_a_claim_waiting_on_a_locked_row_answers_503(
     make_app: MakeApp, clean_db: str, timeouts: dict[str, float]
 ) -> None:
-    app = make_app(**{**FAST, **timeouts})
+    app = make_app(IDEMPOTENCY_DATABASE_OPTIONS={**FAST_OPTIONS, **timeouts})
     client = app.test_client()
     assert client.post("/plain", data=b"x", headers={"Idempotency-Key": "k"}).status_code == 200
     # Expired: the next claim takes the row over, and so needs its lock.
@@ -421,9 +418,15 @@ def test_the_timeouts_are_validated_at_start_up() -> None:
     defaults = settings_from_config(base)
     assert (defaults.statement_timeout, defaults.lock_timeout) == (5.0, 2.0)
     settings = settings_from_config(
-        {**base, "STATEMENT_TIMEOUT": timedelta(milliseconds=1500), "LOCK_TIMEOUT": "0"}
+        {
+            **base,
+            "DATABASE_OPTIONS": {
+                "statement_timeout": timedelta(milliseconds=1500),
+                "lock_timeout": "0",
+            },
+        }
     )
     assert (settings.statement_timeout, settings.lock_timeout) == (1.5, 0.0)
-    for bad in ({"STATEMENT_TIMEOUT": 0}, {"STATEMENT_TIMEOUT": "soon"}, {"LOCK_TIMEOUT": -1}):
+    for bad in ({"statement_timeout": 0}, {"statement_timeout": "soon"}, {"lock_timeout": -1}):
         with pytest.raises(ValueError, match="(?i)timeout"):
-            settings_from_config({**base, **bad})
+            settings_from_config({**base, "DATABASE_OPTIONS": bad})

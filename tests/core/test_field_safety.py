@@ -189,7 +189,7 @@ def test_a_raise_rendered_as_402_is_not_stored_and_keeps_no_writes(
 def test_a_decorated_view_called_from_another_runs_inside_the_outer_claim(
     make_field_app: MakeApp, clean_db: str
 ) -> None:
-    app, _ = make_field_app(IDEMPOTENCY_POOL_SIZE=2, IDEMPOTENCY_POOL_TIMEOUT=1)
+    app, _ = make_field_app(IDEMPOTENCY_DATABASE_OPTIONS={"pool_size": 2, "pool_timeout": 1})
     # More requests than pool slots: a wedged claim would hold its slot for ever.
     for n in range(5):
         response = post(app, "/outer", {}, key=f"outer-{n}")
@@ -251,8 +251,7 @@ def test_streams_over_the_limit_or_broken_release_the_claim_and_the_slot(
     app, _ = make_field_app(
         IDEMPOTENCY_MAX_STORED_BODY=10_000,
         IDEMPOTENCY_OVERSIZE="reject",
-        IDEMPOTENCY_POOL_SIZE=1,
-        IDEMPOTENCY_POOL_TIMEOUT=1,
+        IDEMPOTENCY_DATABASE_OPTIONS={"pool_size": 1, "pool_timeout": 1},
     )
     for n in range(3):  # more than the pool's one slot: a leak would show as a 503
         too_big = post(app, "/stream/generator", {"size": 50_000}, key=f"big-{n}")
@@ -351,7 +350,7 @@ def test_a_view_slower_than_its_ttl_is_neither_taken_over_nor_purged(
 def test_waiting_duplicates_hold_no_pool_slot_while_they_sleep(
     make_field_app: MakeApp, clean_db: str
 ) -> None:
-    app, _ = make_field_app(IDEMPOTENCY_POOL_SIZE=2, IDEMPOTENCY_POOL_TIMEOUT=0.5)
+    app, _ = make_field_app(IDEMPOTENCY_DATABASE_OPTIONS={"pool_size": 2, "pool_timeout": 0.5})
     app.extensions["gate"] = threading.Event()
     answers: list[TestResponse] = []
 

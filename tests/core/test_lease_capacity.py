@@ -1,7 +1,7 @@
 """A live request is never taken over, however busy its worker's pool is.
 
 The lease keeper renews on a connection of its own, not on one of the request
-slots of ``IDEMPOTENCY_POOL_SIZE``: with every slot held by a slow view (more
+slots of ``IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]``: with every slot held by a slow view (more
 gunicorn threads than pool slots), the renewals still run, and a duplicate on
 another worker gets ``409 in_progress`` instead of taking the key over and
 running the view a second time.
@@ -14,6 +14,7 @@ the request's key: the views never need a second pool slot (which
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -49,7 +50,9 @@ def create_app(database_url: str | None = None, config: Mapping[str, Any] | None
     )
     for name, value in os.environ.items():
         if name.startswith("CAPACITY_IDEMPOTENCY_"):
-            app.config[name.removeprefix("CAPACITY_")] = value
+            # A group of options (``..._DATABASE_OPTIONS``) is given as JSON.
+            parsed = json.loads(value) if name.endswith("_OPTIONS") else value
+            app.config[name.removeprefix("CAPACITY_")] = parsed
     app.config.update(config or {})
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
         cur.execute("SELECT pg_advisory_xact_lock(4242)")
@@ -122,8 +125,7 @@ def test_keeper_renews_while_every_pool_slot_is_held(
     # Two "workers" of one pool slot each. The first one's only slot is held by a
     # view for several leases; its keeper must still renew.
     config = {
-        "IDEMPOTENCY_POOL_SIZE": 1,
-        "IDEMPOTENCY_POOL_TIMEOUT": 5,
+        "IDEMPOTENCY_DATABASE_OPTIONS": {"pool_size": 1, "pool_timeout": 5},
         "IDEMPOTENCY_LEASE": 1.0,
         "IDEMPOTENCY_LEASE_RENEW_INTERVAL": 0.2,
     }
@@ -190,7 +192,7 @@ class _Log:
 def test_pool_smaller_than_the_worker_threads_is_warned_about(
     make_capacity_app: MakeApp,
 ) -> None:
-    app = make_capacity_app(IDEMPOTENCY_POOL_SIZE=2)
+    app = make_capacity_app(IDEMPOTENCY_DATABASE_OPTIONS={"pool_size": 2})
     log = _Log()
     assert not check_pool_size(app, threads=12, log=log)
     assert len(log.warnings) == 1
@@ -220,8 +222,7 @@ def test_no_takeover_under_gunicorn_with_more_threads_than_pool_slots(
         config=conf,
         env={
             "DATABASE_URL": clean_db,
-            "CAPACITY_IDEMPOTENCY_POOL_SIZE": "2",
-            "CAPACITY_IDEMPOTENCY_POOL_TIMEOUT": "30",
+            "CAPACITY_IDEMPOTENCY_DATABASE_OPTIONS": '{"pool_size": 2, "pool_timeout": 30}',
             "CAPACITY_IDEMPOTENCY_LEASE": "1.5",
             "CAPACITY_IDEMPOTENCY_LEASE_RENEW_INTERVAL": "0.5",
         },

@@ -34,7 +34,9 @@ def test_cut_connection_answers_503_and_recovers(
     clean_db: str, tcp_proxy: ProxyFactory, apps: list[Flask]
 ) -> None:
     proxy = tcp_proxy(clean_db)
-    app = core_app.create_app(proxy.url_for(clean_db), {"IDEMPOTENCY_CONNECT_TIMEOUT": 1})
+    app = core_app.create_app(
+        proxy.url_for(clean_db), {"IDEMPOTENCY_DATABASE_OPTIONS": {"connect_timeout": 1}}
+    )
     apps.append(app)
     assert post(app, "before").status_code == 200
 
@@ -55,7 +57,9 @@ def test_cut_connection_answers_503_and_recovers(
 def test_server_restart_is_survived(
     throwaway_postgres: ThrowawayPostgres, apps: list[Flask]
 ) -> None:
-    app = core_app.create_app(throwaway_postgres.dsn, {"IDEMPOTENCY_CONNECT_TIMEOUT": 1})
+    app = core_app.create_app(
+        throwaway_postgres.dsn, {"IDEMPOTENCY_DATABASE_OPTIONS": {"connect_timeout": 1}}
+    )
     apps.append(app)
     for i in range(3):
         assert post(app, f"warm-{i}").status_code == 200

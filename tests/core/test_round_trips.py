@@ -21,7 +21,7 @@ slower benchmark:
   transaction the claim opened.
 
 Statements are counted by a psycopg2 connection subclass given to the pool
-through ``IDEMPOTENCY_CONNECT_KWARGS``, Redis commands by a redis-py client
+through ``IDEMPOTENCY_DATABASE_OPTIONS``, Redis commands by a redis-py client
 subclass given through ``IDEMPOTENCY_REDIS`` (and, underneath it, every write
 to the socket, so a command issued around ``execute_command`` - a health-check
 PING, a retry - is caught too). The app is the benchmarks' own, so the counts
@@ -58,6 +58,7 @@ from benchmarks.app import (  # noqa: E402
     REQUEST_BODY,
     create_app,
     prepare_database,
+    subject_config,
 )
 
 #: One event per round trip, in order: ("pg", sql) or ("redis", command name),
@@ -225,9 +226,12 @@ def make_subject(clean_db: str) -> Iterator[MakeSubject]:
     def make(subject: str, redis_url: str | None = None, **config: Any) -> Subject:
         trace: Trace = []
         connection_class = type("Counting", (CountingConnection,), {"trace": trace})
+        # The subject's own database options (its claim commit, its pool), plus
+        # the counting connections.
+        options = subject_config(subject, clean_db, "")["IDEMPOTENCY_DATABASE_OPTIONS"]
         settings: dict[str, Any] = {
             "IDEMPOTENCY_DATABASE_URL": clean_db,
-            "IDEMPOTENCY_CONNECT_KWARGS": {"connection_factory": connection_class},
+            "IDEMPOTENCY_DATABASE_OPTIONS": {**options, "connection_factory": connection_class},
             # The lease keeper's renewals run on their own thread every lease / 3;
             # with renewal off no statement but the request's can appear.
             "IDEMPOTENCY_LEASE_RENEW_INTERVAL": 0,
@@ -335,7 +339,7 @@ class TestWithRedis:
     def test_first_request_adds_one_get_over_postgres_and_the_first_replay_fills(
         self, make_subject: MakeSubject, clean_redis: str
     ) -> None:
-        """IDEMPOTENCY_REDIS_FILL = "replay", the default: no SET on a first request."""
+        """IDEMPOTENCY_REDIS_OPTIONS["fill"] = "replay", the default: no SET on a first request."""
         subject = make_subject("pg+redis", redis_url=clean_redis)
         response, trace = subject.counted("fill-later-1")
         assert response.status_code == 201

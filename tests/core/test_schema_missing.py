@@ -34,7 +34,7 @@ from flask_idempotency import (
 )
 from flask_idempotency.completer import Recoverer
 from flask_idempotency.events.amqp import Backoff
-from flask_idempotency.events.consumer import ConsumerOutcome, Delivery
+from flask_idempotency.events.messages import ConsumerOutcome, Delivery
 from flask_idempotency.events.relay import Relay
 from flask_idempotency.store import migrations
 from flask_idempotency.store.base import StoreUnavailableError
@@ -282,7 +282,7 @@ def test_an_unreachable_start_is_still_an_outage_then_named_on_first_use(
     caplog.set_level(logging.INFO)
     proxy = tcp_proxy(fresh_database_url)
     proxy.cut()
-    app = make_app(proxy.url, IDEMPOTENCY_CONNECT_TIMEOUT=2)
+    app = make_app(proxy.url, IDEMPOTENCY_DATABASE_OPTIONS={"connect_timeout": 2})
     assert errors_logged(caplog) == []
     assert "schema not checked" in caplog.text
 

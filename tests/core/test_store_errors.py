@@ -139,7 +139,7 @@ def test_an_unreachable_database_is_a_503(
     make_tx_app: Callable[..., Flask], clean_db: str, tcp_proxy: ProxyFactory
 ) -> None:
     proxy = tcp_proxy(clean_db)
-    app = make_tx_app(proxy.url_for(clean_db), IDEMPOTENCY_CONNECT_TIMEOUT=2)
+    app = make_tx_app(proxy.url_for(clean_db), IDEMPOTENCY_DATABASE_OPTIONS={"connect_timeout": 2})
     client = app.test_client()
     assert client.post("/fine").status_code == 201  # a pooled connection, about to go stale
     proxy.cut()
@@ -214,7 +214,7 @@ def test_a_start_without_postgres_logs_why_the_connection_failed(
     app = Flask(__name__)
     app.config.update(
         IDEMPOTENCY_DATABASE_URL=f"postgresql://nobody@127.0.0.1:{port}/none",
-        IDEMPOTENCY_CONNECT_TIMEOUT=2,
+        IDEMPOTENCY_DATABASE_OPTIONS={"connect_timeout": 2},
         IDEMPOTENCY_AUTO_MIGRATE=True,
     )
     caplog.set_level(logging.ERROR, logger="flask_idempotency")

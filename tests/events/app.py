@@ -33,7 +33,7 @@ def create_app(database_url: str, config: Mapping[str, Any] | None = None) -> Fl
         IDEMPOTENCY_DATABASE_URL=database_url,
         IDEMPOTENCY_AUTO_MIGRATE=True,
         IDEMPOTENCY_SCOPE_FUNC=lambda req: "tenant",
-        IDEMPOTENCY_POOL_SIZE=4,
+        IDEMPOTENCY_DATABASE_OPTIONS={"pool_size": 4},
     )
     app.config.update(config or {})
     conn = psycopg2.connect(database_url)

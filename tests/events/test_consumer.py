@@ -24,11 +24,11 @@ from flask_idempotency.events import (
     ConsumerOutcome,
     ConsumerWorker,
     Delivery,
-    Publisher,
     Relay,
-    Result,
     Subscription,
 )
+from flask_idempotency.events.amqp import Publisher
+from flask_idempotency.events.messages import Result
 from support.pg_query import query
 from support.records import end_leases
 from support.waiting import wait_until

@@ -20,8 +20,8 @@ from typing import Any
 
 from flask import Flask
 
-from flask_idempotency.events import Publisher, Relay
-from flask_idempotency.events.amqp import Backoff
+from flask_idempotency.events import Relay
+from flask_idempotency.events.amqp import Backoff, Publisher
 from support.pg_query import query
 from support.servers import ProxyFactory
 from support.waiting import wait_until
@@ -122,7 +122,8 @@ CRASHING_RELAY = """
 import os, signal, sys
 sys.path[:0] = [{root!r}, {tests!r}]
 from events import app as events_app
-from flask_idempotency.events import Publisher, Relay
+from flask_idempotency.events import Relay
+from flask_idempotency.events.amqp import Publisher
 
 class CrashAfter(Publisher):
     published = 0

@@ -458,7 +458,7 @@ def test_every_route_is_503_while_postgres_is_down_but_a_redis_replay(
     first = post_charge(client)
     assert first.status_code == 201
     # Retried once while PostgreSQL answers: that replay copies the answer to Redis
-    # (IDEMPOTENCY_REDIS_FILL = "replay", the default).
+    # (IDEMPOTENCY_REDIS_OPTIONS["fill"] = "replay", the default).
     assert post_charge(client).headers["Idempotent-Replayed"] == "true"
     proxy.cut()
 

@@ -9,7 +9,8 @@ from flask import Flask
 from sqlalchemy import text
 
 from example_app import transfers
-from flask_idempotency.testing import LiveServer, assert_idempotent
+from flask_idempotency.testing import assert_idempotent
+from flask_idempotency.testing.live_server import LiveServer
 
 AUTH = {"Authorization": "Bearer key_transfers"}
 

@@ -23,7 +23,7 @@ from support.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 3
-POOL_SIZE = 10  # the extension's default IDEMPOTENCY_POOL_SIZE
+POOL_SIZE = 10  # the extension's default IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]
 AUTH = {"Authorization": "Bearer sk_metrics"}
 BODY: dict[str, Any] = {"amount": 1500, "currency": "usd", "customer": "cus_m", "source": "tok"}
 REQUESTS = "flask_idempotency_requests_total"
@@ -123,7 +123,7 @@ def test_scraped_counters_add_up_over_three_workers(
         assert charge(url, f"new-{n}") == 201
         sent["executed"] += 1
     # The first retry is answered from PostgreSQL and copies the answer to Redis
-    # (IDEMPOTENCY_REDIS_FILL = "replay", the default); the next ones, from Redis.
+    # (IDEMPOTENCY_REDIS_OPTIONS["fill"] = "replay", the default); the next ones, from Redis.
     assert charge(url, "new-0") == 201
     sent["replayed/store"] += 1
     for _ in range(3):

@@ -34,10 +34,10 @@ from flask_idempotency.observability import (
     RequestEvent,
     RequestOutcome,
     attach,
-    scope_digest,
 )
 from flask_idempotency.observability.prometheus import PrometheusMetrics, TableStatsCollector
 from flask_idempotency.observability.tracing import OpenTelemetryTracing
+from flask_idempotency.observer import scope_digest
 from flask_idempotency.store import StoreUnavailableError
 from support.core_app import CLIENT_AUTHORIZATION
 from support.dead_store import make_unreachable, store_unreachable
@@ -406,7 +406,7 @@ def gauges(collector: TableStatsCollector) -> dict[str, dict[str, float]]:
 
 
 def test_pool_waits_and_timeouts(make_app: MakeApp, registry: CollectorRegistry) -> None:
-    app = make_app(IDEMPOTENCY_POOL_SIZE=1, IDEMPOTENCY_POOL_TIMEOUT=0.3)
+    app = make_app(IDEMPOTENCY_DATABASE_OPTIONS={"pool_size": 1, "pool_timeout": 0.3})
     PrometheusMetrics(app, registry=registry)
     idempotency = app.extensions["idem"]
     with app.app_context(), idempotency.transaction():  # the only connection
@@ -430,8 +430,8 @@ def test_redis_down_shows_in_the_breaker_and_its_logger_is_silenced_alone(
 ) -> None:
     app = make_app(
         IDEMPOTENCY_REDIS_URL="redis://127.0.0.1:9/0",
-        IDEMPOTENCY_REDIS_BREAKER_THRESHOLD=2,
-        IDEMPOTENCY_REDIS_FILL="completion",  # so that a first request also sends a SET
+        # fill on completion, so that a first request also sends a SET
+        IDEMPOTENCY_REDIS_OPTIONS={"breaker_threshold": 2, "fill": "completion"},
     )
     PrometheusMetrics(app, registry=registry)
     assert sample(registry, "flask_idempotency_redis_breaker_state", state="closed") == 1

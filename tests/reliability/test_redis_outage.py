@@ -125,7 +125,7 @@ def test_redis_outage_changes_no_outcome_and_the_fast_path_resumes(
         for answer in warm:
             traffic.on_answer(answer)
         assert all(a.status == 201 and a.replayed == "false" for a in warm), status_counts(warm)
-        # One retry each, from PostgreSQL, copies them to Redis (IDEMPOTENCY_REDIS_FILL
+        # One retry each, from PostgreSQL, copies them to Redis (IDEMPOTENCY_REDIS_OPTIONS["fill"]
         # = "replay", the default: a first request writes nothing to Redis).
         retried = traffic.replay_all(connections)
         assert not traffic.mismatches(retried), traffic.mismatches(retried)[:10]

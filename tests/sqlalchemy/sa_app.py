@@ -105,7 +105,9 @@ def _env_config() -> dict[str, Any]:
     config: dict[str, Any] = {}
     for name, value in os.environ.items():
         if name.startswith("SA_APP_IDEMPOTENCY_"):
-            config[name.removeprefix("SA_APP_")] = value
+            # A group of options (``..._DATABASE_OPTIONS``) is given as JSON.
+            parsed = json.loads(value) if name.endswith("_OPTIONS") else value
+            config[name.removeprefix("SA_APP_")] = parsed
     if "SA_APP_SQLALCHEMY_POOL_SIZE" in os.environ:
         size = int(os.environ["SA_APP_SQLALCHEMY_POOL_SIZE"])
         config["SQLALCHEMY_ENGINE_OPTIONS"] = {"pool_size": size, "max_overflow": 0}

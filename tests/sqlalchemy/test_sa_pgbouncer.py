@@ -2,7 +2,7 @@
 
 The Flask-SQLAlchemy app under gunicorn reaches PostgreSQL only through a
 throwaway PgBouncer (``pool_mode = transaction``, fewer server connections than
-the app has clients), with ``IDEMPOTENCY_PREPARE_STATEMENTS = False`` and, for
+the app has clients), with ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]`` off and, for
 psycopg 3, an engine that prepares nothing (``prepare_threshold: None``). The
 claim, the view's savepoints and the fenced completion must each stay within
 one server transaction. The test counts rows straight in PostgreSQL.
@@ -48,7 +48,10 @@ def bounced(
 ) -> Iterator[GunicornServer]:
     dbname = database_url.rsplit("/", 1)[1].split("?", 1)[0]
     url = sa_url(bouncer.url_for(dbname), str(request.param))
-    env = {"SA_APP_IDEMPOTENCY_PREPARE_STATEMENTS": "false", "SA_APP_NO_PREPARE": "1"}
+    env = {
+        "SA_APP_IDEMPOTENCY_DATABASE_OPTIONS": '{"prepare_statements": false}',
+        "SA_APP_NO_PREPARE": "1",
+    }
     with serving(url, gates, **env) as running:
         yield running
 

@@ -36,9 +36,11 @@ def stalled_app(clean_db: str, tcp_proxy: ProxyFactory) -> Iterator[tuple[Flask,
     app.config.update(
         IDEMPOTENCY_DATABASE_URL=proxy.url_for(clean_db),
         IDEMPOTENCY_AUTO_MIGRATE=True,
-        IDEMPOTENCY_STATEMENT_TIMEOUT=STATEMENT_TIMEOUT,
-        IDEMPOTENCY_CONNECT_TIMEOUT=1,
-        IDEMPOTENCY_POOL_SIZE=2,
+        IDEMPOTENCY_DATABASE_OPTIONS={
+            "statement_timeout": STATEMENT_TIMEOUT,
+            "connect_timeout": 1,
+            "pool_size": 2,
+        },
     )
     idempotency = Idempotency(app)
     with app.app_context():

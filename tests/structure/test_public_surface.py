@@ -1,4 +1,4 @@
-"""The package's public names, its import cost and its old import paths.
+"""The package's public names and its import cost.
 
 The names below are what applications import; a change to them is a change of
 the public API and must be made here on purpose (and in the changelog).
@@ -10,14 +10,12 @@ import importlib
 import json
 import subprocess
 import sys
-import warnings
 
 import pytest
 
 PUBLIC = {
     "flask_idempotency": [
         "Abandoned",
-        "EXPOSED_HEADERS",
         "Idempotency",
         "IdempotencyError",
         "InvalidKey",
@@ -25,13 +23,11 @@ PUBLIC = {
         "LeaseLost",
         "MalformedBody",
         "MissingKey",
-        "NOT_STORED_STATUSES",
         "RequestInProgress",
         "ResponseTooLarge",
         "SchemaMissing",
         "SchemaOutdated",
         "ScopeUnavailable",
-        "Settings",
         "StoreUnavailable",
         "authorization_scope",
         "default_scope",
@@ -39,43 +35,32 @@ PUBLIC = {
         "global_scope",
         "user_scope",
     ],
+    "flask_idempotency.celery": [
+        "IdempotentTask",
+        "TaskDeferred",
+        "TaskKeyMissing",
+        "TaskKeyReused",
+        "TaskPublisher",
+        "TaskWorkerLost",
+    ],
     "flask_idempotency.events": [
-        "BrokerUnavailable",
-        "ConsumerGuard",
         "ConsumerOutcome",
         "ConsumerWorker",
         "Delivery",
         "EmbeddedEvents",
-        "OutboxEvent",
-        "Publisher",
         "Relay",
-        "RelayStats",
-        "Result",
         "Subscription",
     ],
     # gunicorn.conf.py's one import: the hooks gunicorn reads by name.
     "flask_idempotency.gunicorn": ["child_exit", "on_exit", "on_starting", "post_worker_init"],
     "flask_idempotency.observability": [
-        "PHASE_CLAIM",
-        "PHASE_COMPLETE",
-        "PHASE_REPLAY",
-        "AttributeValue",
-        "Attributes",
         "Observer",
-        "Outcome",
         "RequestEvent",
         "RequestOutcome",
+        "Stage",
         "attach",
-        "scope_digest",
     ],
-    "flask_idempotency.testing": [
-        "Answer",
-        "IdempotencyDatabase",
-        "IdempotencyReport",
-        "LiveServer",
-        "assert_idempotent",
-        "serve_app",
-    ],
+    "flask_idempotency.testing": ["IdempotencyDatabase", "assert_idempotent", "serve_app"],
 }
 
 
@@ -113,36 +98,3 @@ def test_importing_the_package_loads_no_cli_completer_or_broker_module() -> None
     }
     assert loaded & unwanted == set(), sorted(loaded & unwanted)
     assert "flask_idempotency.runtime" in loaded  # the sanity check: it did import
-
-
-@pytest.mark.parametrize(
-    ("module", "old", "new"),
-    [
-        ("flask_idempotency.events", "Outcome", "ConsumerOutcome"),
-        ("flask_idempotency.extension", "IdempotencyState", "AppState"),
-        ("flask_idempotency.extension", "RequestState", "RequestState"),
-        ("flask_idempotency.extension", "EXTENSION_KEY", "EXTENSION_KEY"),
-    ],
-)
-def test_old_import_paths_work_with_a_warning(module: str, old: str, new: str) -> None:
-    imported = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=new):
-        value = getattr(imported, old)
-    assert value is not None
-
-
-def test_the_state_property_is_deprecated_for_ping() -> None:
-    from flask import Flask
-
-    from flask_idempotency import Idempotency
-
-    app = Flask(__name__)
-    app.config["IDEMPOTENCY_DATABASE_URL"] = "postgresql://127.0.0.1:9/none"
-    idempotency = Idempotency(app)
-    try:
-        with app.app_context(), pytest.warns(DeprecationWarning, match="ping"):
-            idempotency.state  # noqa: B018
-    finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            app.extensions["idempotency"].close()

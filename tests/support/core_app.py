@@ -94,7 +94,9 @@ def create_app(
     )
     for name, value in os.environ.items():
         if name.startswith("CORE_APP_IDEMPOTENCY_"):
-            app.config[name.removeprefix("CORE_APP_")] = value
+            # A group of options (``..._DATABASE_OPTIONS``) is given as JSON.
+            parsed = json.loads(value) if name.endswith("_OPTIONS") else value
+            app.config[name.removeprefix("CORE_APP_")] = parsed
     app.config.update(config or {})
     if engine is not None:
         del app.config["IDEMPOTENCY_DATABASE_URL"]

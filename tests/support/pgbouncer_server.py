@@ -8,7 +8,7 @@ the same unprivileged account as the throwaway PostgreSQL servers.
 The configuration is the one the README's "Deployment topologies" section
 asks for: ``pool_mode = transaction``, and nothing that depends on session
 state (the extension sends ``SET LOCAL`` only, inside the round trip it
-concerns, and prepares nothing when ``IDEMPOTENCY_PREPARE_STATEMENTS`` is off).
+concerns, and prepares nothing when ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]`` is off).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ USER_CONFTEST = (
     def create_app(dsn):
         app = Flask("user_app")
         app.config["IDEMPOTENCY_DATABASE_URL"] = dsn
-        app.config["IDEMPOTENCY_POOL_SIZE"] = 25
+        app.config["IDEMPOTENCY_DATABASE_OPTIONS"] = {"pool_size": 25}
         idempotency = Idempotency(app)
 
         def insert_charge():

@@ -2,7 +2,7 @@
 
 The app connects to a throwaway PgBouncer (``pool_mode = transaction``, config
 written by the test, see support/pgbouncer_server.py) in front of a database of
-its own on the run's PostgreSQL, with ``IDEMPOTENCY_PREPARE_STATEMENTS = False``.
+its own on the run's PostgreSQL, with ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]`` off.
 The reliability suite's storm and crash tests run through it unchanged, in both
 claim modes; a smaller test checks what the extension's ``SET LOCAL``s and its
 completion-with-``COMMIT`` do when clients share one server connection.
@@ -64,7 +64,7 @@ def bounced_stack(
             **options.extra_env,
             "DATABASE_URL": bouncer.url_for(dbname),
             "IDEMPOTENCY_CLAIM_MODE": claim_mode,
-            "TOPOLOGY_IDEMPOTENCY_PREPARE_STATEMENTS": "false",
+            "TOPOLOGY_IDEMPOTENCY_DATABASE_OPTIONS": '{"prepare_statements": false}',
         }
         stack = Stack(
             database_url=url, redis_url=None, options=dataclasses.replace(options, extra_env=env)

@@ -41,7 +41,7 @@ def make_app(dsn: str, claim_mode: str) -> Flask:
         dsn,
         {
             "IDEMPOTENCY_CLAIM_MODE": claim_mode,
-            "IDEMPOTENCY_CONNECT_KWARGS": {"application_name": APP_NAME},
+            "IDEMPOTENCY_DATABASE_OPTIONS": {"application_name": APP_NAME},
             # No keeper connection: every session of the app is a pool slot.
             "IDEMPOTENCY_LEASE_RENEW_INTERVAL": 0,
         },

@@ -77,11 +77,13 @@ def make_app(dsn: str, **redis_config: Any) -> Flask:
         IDEMPOTENCY_AUTO_MIGRATE=True,
         SECRET_KEY="topology-test-secret",  # the Redis cache is off without one
         IDEMPOTENCY_SCOPE_FUNC=global_scope,
-        IDEMPOTENCY_REDIS_PREFIX=PREFIX,
-        IDEMPOTENCY_REDIS_TIMEOUT=0.5,
-        IDEMPOTENCY_REDIS_BREAKER_COOLDOWN=1.0,
-        # Every answer goes to Redis as it commits, so that each one tests the topology.
-        IDEMPOTENCY_REDIS_FILL="completion",
+        IDEMPOTENCY_REDIS_OPTIONS={
+            "prefix": PREFIX,
+            "timeout": 0.5,
+            "breaker_cooldown": 1.0,
+            # Every answer goes to Redis as it commits, so that each one tests the topology.
+            "fill": "completion",
+        },
         **redis_config,
     )
     idempotency = Idempotency(app)

@@ -57,8 +57,7 @@ def make_app(dsn: str) -> Flask:
         IDEMPOTENCY_DATABASE_URL=dsn,
         IDEMPOTENCY_AUTO_MIGRATE=True,
         IDEMPOTENCY_SCOPE_FUNC=global_scope,
-        IDEMPOTENCY_STATEMENT_TIMEOUT=STATEMENT_TIMEOUT,
-        IDEMPOTENCY_LOCK_TIMEOUT=0.5,
+        IDEMPOTENCY_DATABASE_OPTIONS={"statement_timeout": STATEMENT_TIMEOUT, "lock_timeout": 0.5},
     )
     idempotency = Idempotency(app)
     runs: list[int] = []

@@ -194,10 +194,9 @@ def make_app(dsn: str, **config: Any) -> Flask:
         IDEMPOTENCY_AUTO_MIGRATE=True,
         SECRET_KEY="tls-test-secret",  # the Redis cache is off without one
         IDEMPOTENCY_SCOPE_FUNC=global_scope,
-        IDEMPOTENCY_CONNECT_KWARGS={"application_name": APP_NAME},
-        IDEMPOTENCY_CONNECT_TIMEOUT=3,
+        IDEMPOTENCY_DATABASE_OPTIONS={"application_name": APP_NAME, "connect_timeout": 3},
         # Answers go to Redis as they commit, so a single retry reads them over TLS.
-        IDEMPOTENCY_REDIS_FILL="completion",
+        IDEMPOTENCY_REDIS_OPTIONS={"fill": "completion"},
         **config,
     )
     idempotency = Idempotency(app)

@@ -26,9 +26,7 @@ from flask import Flask
 from ...state import AppState
 from ...store.base import StoreUnavailableError
 from . import database, routes, server, services, workers
-from .base import DEFAULT_STALE_AFTER, FAIL, OK, WARN, Check, Context, Options
-
-__all__ = ["DEFAULT_STALE_AFTER", "FAIL", "OK", "WARN", "Check", "Options", "diagnose", "document"]
+from .base import FAIL, OK, WARN, Check, Context, Options
 
 CheckFunc = Callable[[Context], Check]
 

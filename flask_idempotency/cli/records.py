@@ -1,0 +1,224 @@
+"""``show`` and ``unlock``: the commands about one record, found by its client's key.
+
+They change for one reason of their own: how an operator names a record (the
+client's key, and the scope computed from the client's credentials or given
+as is), kept apart from the table-wide maintenance in ``__init__.py``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import click
+from flask import current_app, request
+from flask.cli import with_appcontext
+
+from .. import keys
+from ..keys import parse_key, record_key
+from ..store.base import RecordInfo, StoreUnavailableError
+from .output import echo_document, json_option
+from .prompts import confirm, yes_option
+from .target import command_state
+
+
+def _record_key(
+    key: str, scope: str | None, authorization: str | None, headers: tuple[str, ...]
+) -> bytes:
+    from ..errors import InvalidKey
+
+    try:
+        parsed = parse_key(key)
+    except InvalidKey:
+        raise click.BadParameter("not a valid Idempotency-Key", param_hint="KEY") from None
+    assert parsed is not None
+    if scope is not None and (authorization is not None or headers):
+        raise click.UsageError("give --scope, or --authorization/--header, not both")
+    if scope is None:
+        scope = _scope_from_headers(authorization, headers)
+    return record_key(scope, parsed)
+
+
+def _parse_header(raw: str) -> tuple[str, str]:
+    name, sep, value = raw.partition(":")
+    name = name.strip()
+    if not sep or not name or any(ch.isspace() for ch in name):
+        raise click.BadParameter(f"expected 'Name: value', got {raw!r}", param_hint="--header")
+    return name, value.strip(" \t")
+
+
+def _scope_from_headers(authorization: str | None, headers: tuple[str, ...]) -> str:
+    """The scope the app's ``IDEMPOTENCY_SCOPE_FUNC`` gives a request with these headers.
+
+    The request context is built from the headers alone: no route, no body and
+    no ``before_request`` hooks. A scope that cannot be computed from headers
+    (a route's own ``scope_func``, a user known only to the view) is given
+    with ``--scope``.
+    """
+    from ..errors import ScopeUnavailable
+
+    sent = [_parse_header(raw) for raw in headers]
+    if authorization is not None:
+        if any(name.lower() == "authorization" for name, _ in sent):
+            raise click.UsageError("give --authorization or --header 'Authorization: ...'")
+        sent.append(("Authorization", authorization))
+    state = command_state()
+    scope_func = state.settings.scope_func
+    name = getattr(scope_func, "__qualname__", repr(scope_func))
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    with app.test_request_context(headers=sent):
+        try:
+            return keys.resolve_scope(scope_func, request)
+        except ScopeUnavailable:
+            raise click.ClickException(
+                f"the app's scope function ({name}) finds no principal in these headers: "
+                "give the client's credentials with --authorization or --header, "
+                "or the scope itself with --scope"
+            ) from None
+        except Exception as exc:
+            raise click.ClickException(
+                f"the app's scope function ({name}) failed for these headers "
+                f"({type(exc).__name__}); give the scope itself with --scope"
+            ) from exc
+
+
+scope_option = click.option(
+    "--scope",
+    default=None,
+    help="The scope exactly as the scope function returns it (e.g. user:42), for scopes "
+    "that cannot be computed from headers.",
+)
+authorization_option = click.option(
+    "--authorization",
+    default=None,
+    help="The client's Authorization header value; the scope is computed by the app's "
+    "IDEMPOTENCY_SCOPE_FUNC.",
+)
+header_option = click.option(
+    "--header",
+    "headers",
+    multiple=True,
+    metavar="'NAME: VALUE'",
+    help="A request header the app's scope function reads (repeatable).",
+)
+
+
+def _lease_live(info: RecordInfo) -> float | None:
+    """Seconds left on an in-flight record's lease, or None if it has ended.
+
+    The lease is compared with the server's clock, never this machine's:
+    ``created_at + age_seconds`` is the server's ``now()`` when it was read.
+    """
+    if info.state != "processing" or info.lease_expires_at is None:
+        return None
+    server_now = info.created_at + timedelta(seconds=info.age_seconds)
+    left = (info.lease_expires_at - server_now).total_seconds()
+    return left if left > 0 else None
+
+
+def _record_fields(rkey: bytes, info: RecordInfo) -> dict[str, Any]:
+    lease_left = _lease_live(info)
+    return {
+        "record": keys.log_key(rkey),
+        "state": info.state,
+        "expired": info.expired,
+        "lease_live": lease_left is not None,
+        "age_seconds": round(info.age_seconds, 3),
+        "created_at": info.created_at.isoformat(),
+        "expires_at": info.expires_at.isoformat(),
+        "completed_at": info.completed_at.isoformat() if info.completed_at else None,
+        "lease_expires_at": info.lease_expires_at.isoformat() if info.lease_expires_at else None,
+        "status": info.status,
+    }
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency show order-1 --authorization 'Bearer sk_test_1'
+  flask --app example_app idempotency show order-1 --scope user:42 --json | jq .state
+"""
+)
+@click.argument("key")
+@scope_option
+@authorization_option
+@header_option
+@click.option("--body", "show_body", is_flag=True, help="Also print the stored headers and body.")
+@json_option
+@with_appcontext
+def show(
+    key: str,
+    scope: str | None,
+    authorization: str | None,
+    headers: tuple[str, ...],
+    show_body: bool,
+    as_json: bool,
+) -> None:
+    """Show one record: state, lease, ages, status code.
+
+    KEY is the client's Idempotency-Key; the record is found in the scope the
+    app's scope function computes from --authorization / --header, or in
+    --scope. Exit 1 when there is no record.
+    """
+    state = command_state()
+    rkey = _record_key(key, scope, authorization, headers)
+    try:
+        info = state.store.info(rkey)
+    except StoreUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if info is None:
+        raise click.ClickException("no record for that key and scope")
+    fields = _record_fields(rkey, info)
+    if show_body:
+        fields["headers"] = [list(h) for h in info.headers]
+        fields["body"] = (info.body or b"").decode("utf-8", "replace")
+    echo_document(fields, as_json=as_json)
+
+
+@click.command(
+    epilog="""\b
+Examples:
+  flask --app example_app idempotency unlock order-1 --authorization 'Bearer sk_test_1'
+  flask --app example_app idempotency unlock order-1 --scope user:42 --yes
+"""
+)
+@click.argument("key")
+@scope_option
+@authorization_option
+@header_option
+@yes_option
+@with_appcontext
+def unlock(
+    key: str, scope: str | None, authorization: str | None, headers: tuple[str, ...], yes: bool
+) -> None:
+    """Release a stuck processing record so the next request with the key runs.
+
+    A record whose lease has ended (its holder died) is released at once. One
+    whose lease is still being renewed is in flight: the command says so and
+    asks on a terminal; off a terminal it needs --yes (else exit 2).
+    """
+    state = command_state()
+    rkey = _record_key(key, scope, authorization, headers)
+    try:
+        info = state.store.info(rkey)
+        if info is None or info.state != "processing":
+            raise click.ClickException("no processing record for that key and scope")
+        lease_left = _lease_live(info)
+        if lease_left is not None:
+            confirm(
+                f"record {keys.log_key(rkey)} is in flight: its holder still renews its "
+                f"lease (started {info.age_seconds:.0f} s ago, lease ends in "
+                f"{lease_left:.0f} s). Unlocking deletes it: the next request with this key "
+                "runs again, and if the holder is still calling the processor the payment "
+                "can be made twice.",
+                "Unlock it?",
+                yes=yes,
+                required_off_terminal=True,
+            )
+        released = state.store.unlock(rkey)
+    except StoreUnavailableError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if not released:
+        raise click.ClickException("no processing record for that key and scope")
+    state.cache.evict([rkey])
+    click.echo("released")
