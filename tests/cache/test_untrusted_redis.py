@@ -49,7 +49,7 @@ def build(database_url: str, redis_url: str, **config: Any) -> Flask:
         IDEMPOTENCY_AUTO_MIGRATE=True,
         IDEMPOTENCY_LEASE_RENEW_INTERVAL=0,
         IDEMPOTENCY_REDIS_URL=redis_url,
-        IDEMPOTENCY_REDIS_FILL="completion",
+        IDEMPOTENCY_REDIS_OPTIONS={"fill": "completion"},
         SECRET_KEY=SECRET,
     )
     app.config.update(config)
