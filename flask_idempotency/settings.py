@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from flask import Request
 
+from .config_keys import config_key, ungroup
 from .fingerprint import request_fingerprint
 from .scopes import default_scope
 
@@ -283,115 +284,12 @@ def _coerce_bool(name: str, value: Any) -> bool:
     raise ValueError(f"{config_key(name)} must be a boolean, got {value!r}")
 
 
-#: Options that belong together are set as one mapping each, as Flask-Limiter's
-#: ``STORAGE_URI`` goes with ``STORAGE_OPTIONS``: the database's
-#: (``IDEMPOTENCY_DATABASE_OPTIONS``, beside ``IDEMPOTENCY_DATABASE_URL``), the Redis
-#: cache's (``IDEMPOTENCY_REDIS_OPTIONS``) and the broker's
-#: (``IDEMPOTENCY_BROKER_OPTIONS``). Group -> option -> the :class:`Settings` field.
-OPTION_GROUPS: dict[str, dict[str, str]] = {
-    "database_options": {
-        "pool_size": "pool_size",
-        "pool_timeout": "pool_timeout",
-        "connect_timeout": "connect_timeout",
-        "statement_timeout": "statement_timeout",
-        "lock_timeout": "lock_timeout",
-        "async_claim_commit": "async_claim_commit",
-        "breaker_threshold": "store_breaker_threshold",
-        "breaker_cooldown": "store_breaker_cooldown",
-    },
-    "redis_options": {
-        "prefix": "redis_prefix",
-        "timeout": "redis_timeout",
-        "breaker_threshold": "redis_breaker_threshold",
-        "breaker_cooldown": "redis_breaker_cooldown",
-        "fill": "redis_fill",
-    },
-    "broker_options": {"exchange": "events_exchange"},
-}
-#: Field -> (group, option) of every grouped field. ``connect_kwargs`` is the
-#: database group's other options (libpq parameters).
-GROUPED: dict[str, tuple[str, str | None]] = {
-    field: (group, option)
-    for group, options in OPTION_GROUPS.items()
-    for option, field in options.items()
-}
-GROUPED["connect_kwargs"] = ("database_options", None)
-
-
-#: Keys of the 0.2 line that are gone, and what to do instead; any other unknown key
-#: is a typo and is refused as one.
-REMOVED_KEYS: dict[str, str] = {
-    "wait_poll_interval": "a waiting duplicate checks every 50 ms; set IDEMPOTENCY_WAIT",
-    "problem_type_base": "problem types are urn:flask-idempotency:error:<code>",
-    "redis_compress_over": "bodies over 4 kB are compressed",
-    "pool": "pass engine= (a SQLAlchemy Engine; its pool is the one pool) to Idempotency",
-}
-#: Options of a group that are gone, as ``(group, option)`` -> what to do instead.
-REMOVED_OPTIONS: dict[tuple[str, str], str] = {
-    ("redis_options", "compress_over"): "bodies over 4 kB are compressed",
-    ("database_options", "prepare_statements"): "the extension prepares no statements",
-}
-
-
-def config_key(name: str) -> str:
-    """How a field is spelled in the app's config (for messages and the docs)."""
-    group, option = GROUPED.get(name, (None, None))
-    if group is None:
-        return f"IDEMPOTENCY_{name.upper()}"
-    if option is None:
-        return f"IDEMPOTENCY_{group.upper()}"
-    return f'IDEMPOTENCY_{group.upper()}["{option}"]'
-
-
-def _ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config namespace with each option group spread into its fields.
-
-    A grouped option set as a flat key (``IDEMPOTENCY_POOL_SIZE``, the spelling of
-    the unpublished 0.2 line) fails here with its new spelling: ignoring it would
-    silently run with the default, and a warning is easy to miss in a deploy log.
-    """
-    flat: dict[str, Any] = {}
-    for raw_name, value in config.items():
-        name = raw_name.lower()
-        if name in OPTION_GROUPS:
-            continue
-        if name in GROUPED:
-            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: use {config_key(name)}")
-        if name in REMOVED_KEYS:
-            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: {REMOVED_KEYS[name]}")
-        flat[name] = value
-    for group, options in OPTION_GROUPS.items():
-        raw = config.get(group.upper(), config.get(group))
-        if raw is None:
-            continue
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"IDEMPOTENCY_{group.upper()} must be a mapping, got {raw!r}")
-        extra: dict[str, Any] = {}
-        for option, value in raw.items():
-            field = options.get(str(option))
-            gone = REMOVED_OPTIONS.get((group, str(option)))
-            if gone is not None:
-                raise ValueError(f"IDEMPOTENCY_{group.upper()}[{option!r}] was removed: {gone}")
-            if field is None:
-                if group != "database_options":
-                    raise ValueError(
-                        f"Unknown option {option!r} in IDEMPOTENCY_{group.upper()} "
-                        f"(known: {', '.join(sorted(options))})"
-                    )
-                extra[str(option)] = value  # a libpq connection parameter
-                continue
-            flat[field] = value
-        if extra:
-            flat["connect_kwargs"] = extra
-    return flat
-
-
 def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = False) -> Settings:
     """Build :class:`Settings` from a config namespace (``IDEMPOTENCY_`` prefix stripped);
     ``engine_given``: the app gave its SQLAlchemy database (``db=``), so no DSN."""
     fields = {f.name for f in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
-    for name, value in _ungroup(config).items():
+    for name, value in ungroup(config).items():
         raw_name = name
         if name not in fields:
             raise ValueError(f"Unknown configuration key IDEMPOTENCY_{raw_name.upper()}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -116,8 +115,12 @@ class Checkout:
 
 #: The checkout this thread is making, if any (``_bound_connect`` reads it).
 _CHECKOUT = threading.local()
-#: libpq's shortest connect timeout, seconds: it reads 1 as 2.
-MIN_CONNECT_TIMEOUT = 2
+#: The shortest connect timeout a driver honours, seconds: libpq 13 and later take 1
+#: as 1, older ones (and psycopg 3, which keeps their rule) read it as 2.
+MIN_CONNECT_TIMEOUT = 1 if psycopg2.extensions.libpq_version() >= 130000 else 2
+#: Less than this left of a checkout's deadline: no connect is started (it could
+#: only end after the deadline, as the timeout is whole seconds).
+MIN_TIME_TO_CONNECT = 0.5
 #: A checkout given up because the breaker opened while it waited.
 ABANDONED = "PostgreSQL is not answering (store circuit breaker opened while waiting)"
 
@@ -132,12 +135,15 @@ def _bound_connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any
         return
     if terms.abandoned():
         raise BreakerOpenError(ABANDONED)
-    left = math.ceil(terms.until - time.monotonic())
+    left = terms.until - time.monotonic()
+    if left < MIN_TIME_TO_CONNECT:
+        raise StoreUnavailableError("no time left to connect before the deadline")
+    floor = MIN_CONNECT_TIMEOUT if dialect.driver == "psycopg2" else 2
+    limit = max(floor, round(left))  # whole seconds, within half a second of the deadline
     try:
         given = float(cparams.get("connect_timeout") or 0)
     except (TypeError, ValueError):
         given = 0
-    limit = max(MIN_CONNECT_TIMEOUT, left)
     if given <= 0 or given > limit:
         cparams["connect_timeout"] = limit
 
@@ -222,11 +228,11 @@ class EnginePool:
             if self.observer is not None:
                 self.observer.pool_timeout()
             _unavailable(exc)
-        except BreakerOpenError:
-            raise
+        except StoreUnavailableError:
+            raise  # (the breaker opened, or no time was left to connect)
         except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
-            if isinstance(getattr(exc, "orig", None), BreakerOpenError):
-                raise BreakerOpenError(ABANDONED) from exc
+            if isinstance(getattr(exc, "orig", None), StoreUnavailableError):
+                raise exc.orig from exc
             _unavailable(exc)
         finally:
             _CHECKOUT.terms = None
@@ -315,9 +321,12 @@ class EnginePool:
 
     def discard_idle(self) -> None:
         """After an outage the idle connections are as dead as the one that failed:
-        the engine starts a new pool (``Engine.dispose()``); connections still lent
-        go back to the old one, which wakes any request waiting there."""
-        self.engine.dispose()
+        the engine starts a new pool (``Engine.dispose(close=False)``), so later
+        checkouts connect afresh. The old pool is left to the requests already
+        waiting on it, which take the connections given back to it (closing its idle
+        ones here would take those from under them, and they would wait out the
+        pool's timeout); its connections are closed as it is garbage-collected."""
+        self.engine.dispose(close=False)
 
     def capacity(self) -> tuple[int, str] | None:
         """How many requests can hold a connection at once, and the setting that

@@ -15,7 +15,8 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from flask_idempotency.settings import GROUPED, Settings, config_key
+from flask_idempotency.config_keys import GROUPED, config_key
+from flask_idempotency.settings import Settings
 
 PACKAGE = Path(__file__).resolve().parents[2] / "flask_idempotency"
 
@@ -27,8 +28,8 @@ MAX_TOP_LEVEL_NAMES = 20
 MAX_SETTINGS_KEYS = 25
 #: Lines of any one module, docstrings and comments included.
 MAX_MODULE_LINES = 500
-#: Over the bound today and being rewritten away (issue 36, the lead's part).
-LONG_FOR_NOW = {"store/request.py", "store/pool.py"}
+#: Modules allowed over the bound (none: split a module by reason to change instead).
+LONG_FOR_NOW: set[str] = set()
 
 
 def _modules() -> list[Path]:

@@ -15,7 +15,8 @@ import pytest
 from flask import Flask
 
 from flask_idempotency import Idempotency
-from flask_idempotency.settings import GROUPED, settings_from_config
+from flask_idempotency.config_keys import GROUPED
+from flask_idempotency.settings import settings_from_config
 
 BASE = {"DATABASE_URL": "postgresql://localhost/x"}
 
@@ -56,7 +57,6 @@ REMOVED_FLAT_KEYS = {
     "CONNECT_TIMEOUT": 'IDEMPOTENCY_DATABASE_OPTIONS["connect_timeout"]',
     "STATEMENT_TIMEOUT": 'IDEMPOTENCY_DATABASE_OPTIONS["statement_timeout"]',
     "LOCK_TIMEOUT": 'IDEMPOTENCY_DATABASE_OPTIONS["lock_timeout"]',
-    "PREPARE_STATEMENTS": 'IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]',
     "ASYNC_CLAIM_COMMIT": 'IDEMPOTENCY_DATABASE_OPTIONS["async_claim_commit"]',
     "STORE_BREAKER_THRESHOLD": 'IDEMPOTENCY_DATABASE_OPTIONS["breaker_threshold"]',
     "STORE_BREAKER_COOLDOWN": 'IDEMPOTENCY_DATABASE_OPTIONS["breaker_cooldown"]',

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import psycopg2
@@ -180,28 +181,33 @@ def test_no_observer_is_fine() -> None:
 # -- a checkout's time -----------------------------------------------------------
 
 
-def test_a_connect_gets_what_is_left_of_the_deadline_at_least_libpqs_two_seconds() -> None:
+def test_a_connect_gets_what_is_left_of_the_deadline_in_whole_seconds() -> None:
     """The ``do_connect`` hook on the store's checkouts: libpq's connect timeout cut to
-    what is left of the request's deadline (at least libpq's 2 s), none made once the
-    breaker opened, and an application's own connects left as they are."""
+    what is left of the request's deadline (whole seconds, at least what the driver
+    honours), none started with under half a second left or once the breaker opened,
+    and an application's own connects left as they are."""
+    dialect = SimpleNamespace(driver="psycopg2")
+    floor = pool.MIN_CONNECT_TIMEOUT
 
     def connect_timeout(left: float, given: Any, *, abandoned: bool = False) -> Any:
         cparams: dict[str, Any] = {} if given is None else {"connect_timeout": given}
         pool._CHECKOUT.terms = Checkout(time.monotonic() + left, lambda: abandoned)
         try:
-            pool._bound_connect(None, None, [], cparams)
+            pool._bound_connect(dialect, None, [], cparams)
         finally:
             pool._CHECKOUT.terms = None
         return cparams.get("connect_timeout")
 
-    assert connect_timeout(5.5, 3) == 3
-    assert connect_timeout(5.5, None) == 6
-    assert connect_timeout(5.5, "0") == 6  # 0: libpq would wait for ever
-    assert connect_timeout(0.5, 3) == 2
+    assert connect_timeout(5.6, 3) == 3
+    assert connect_timeout(5.6, None) == 6
+    assert connect_timeout(5.6, "0") == 6  # 0: libpq would wait for ever
+    assert connect_timeout(0.8, 3) == max(floor, 1)
+    with pytest.raises(StoreUnavailableError, match="no time left"):
+        connect_timeout(0.2, 3)
     with pytest.raises(BreakerOpenError):
         connect_timeout(5, 3, abandoned=True)
     untouched = {"connect_timeout": 30}
-    pool._bound_connect(None, None, [], untouched)  # not a store's checkout
+    pool._bound_connect(dialect, None, [], untouched)  # not a store's checkout
     assert untouched == {"connect_timeout": 30}
 
 
