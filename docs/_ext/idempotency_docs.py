@@ -69,7 +69,8 @@ class SettingsDirective(Directive):
     has_content = False
 
     def run(self) -> list[nodes.Node]:
-        from flask_idempotency.settings import GROUPED, OPTION_GROUPS, Settings, config_key
+        from flask_idempotency.config_keys import GROUPED, OPTION_GROUPS, config_key
+        from flask_idempotency.settings import Settings
 
         analyzer = ModuleAnalyzer.for_module("flask_idempotency.settings")
         docs = analyzer.find_attr_docs()
