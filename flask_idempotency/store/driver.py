@@ -70,11 +70,6 @@ class Driver:
         (psycopg2's ``conn.info`` builds an object per read: asked directly.)"""
         return bool(conn.get_transaction_status())
 
-    def keeps_prepared(self, conn: Any) -> bool:
-        """Whether the statements the store prepares on ``conn`` stay there until the
-        store or the application deallocates them (psycopg2 never does on its own)."""
-        return True
-
 
 class Psycopg3Driver(Driver):
     """psycopg 3: a client-side binding cursor, moved on to the last result."""
@@ -96,14 +91,6 @@ class Psycopg3Driver(Driver):
 
     def in_transaction(self, conn: Any) -> bool:
         return bool(conn.info.transaction_status)
-
-    def keeps_prepared(self, conn: Any) -> bool:
-        """psycopg 3 prepares the queries it runs often (``prepare_threshold``), and
-        once it holds any, a statement answering ``ROLLBACK`` (a savepoint's, a
-        release's), ``DROP``, ``ALTER`` or ``DISCARD ALL`` makes it deallocate every
-        prepared statement of the session: the store's too, even between a claim
-        and its completion. Only with its own preparing off do they stay."""
-        return conn.prepare_threshold is None
 
 
 PSYCOPG2 = Driver()

@@ -338,12 +338,6 @@ class MemoryRequest(RequestHandle):
     def connection(self) -> Any:
         no_connection()
 
-    def held_connection(self) -> Any:
-        no_connection()
-
-    def execute_in_transaction(self, sql: str, *, begin: bool = False) -> None:
-        no_connection()
-
     def count_recovered(self) -> None:
         no_connection()
 

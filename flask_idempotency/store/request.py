@@ -148,11 +148,6 @@ class PostgresRequest(RequestHandle):
                 # the connection is sound and goes back to the pool with the request.
                 raise answered("claim", exc) from exc
 
-    def held_connection(self) -> Connection:
-        """The connection this request works on (taken from the pool if it has none
-        yet), whatever its transaction state: for joining a session to it."""
-        return self._acquire()
-
     def _drop(self, *, peers: bool = True) -> None:
         """Give back a connection that failed: it is not reused, nor (when the
         database looks unreachable) are its idle peers."""
