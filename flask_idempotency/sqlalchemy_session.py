@@ -122,7 +122,7 @@ class SessionJoin:
         session = self.sessions()
         if session.in_transaction():
             session.rollback()  # (detach() ended it before the claim; a safety net)
-        # Under AUTOCOMMIT this sends nothing: the BEGIN above opened the transaction.
+        # In autocommit mode this sends nothing: the BEGIN above opened the transaction.
         outer = connection.begin()
         joined = Joined(session, connection, outer)
         session.info[JOINED] = joined
@@ -157,7 +157,7 @@ class SessionJoin:
         joined.session.info.pop(JOINED, None)
         if joined.outer.is_active:
             # The extension's COMMIT or ROLLBACK ended the server's transaction; under
-            # AUTOCOMMIT ending SQLAlchemy's view of it sends nothing more.
+            # autocommit mode, ending SQLAlchemy's view of it sends nothing more.
             try:
                 joined.outer.rollback()
             except Exception as exc:  # the connection may be gone (an outage)

@@ -6,11 +6,14 @@ builds from ``IDEMPOTENCY_DATABASE_URL``. SQLAlchemy's ``QueuePool`` does the
 waiting, the sizing, the reset on return and the invalidation of broken
 connections; nothing here re-implements any of it.
 
-A request's connection is an ordinary ``engine.connect()`` in the documented
-``AUTOCOMMIT`` isolation level, so the extension's own statements (the claim,
-the completion with its ``COMMIT``) are one round trip each; SQLAlchemy puts the
-level back when the connection returns to the pool. The request's
-``db.session`` joins that same ``Connection`` (``sqlalchemy_session.py``).
+A request's connection is an ordinary ``engine.connect()`` whose driver
+connection is put in autocommit mode (the driver's own ``autocommit``
+attribute), so the extension's own statements (the claim, the completion with
+its ``COMMIT``) are one round trip each, and given back as it came. Not
+SQLAlchemy's ``isolation_level="AUTOCOMMIT"`` option: resetting that on return
+makes psycopg2 send ``SET default_transaction_isolation`` every time, a round
+trip per request that no deadline bounds. The request's ``db.session`` joins
+that same ``Connection`` (``sqlalchemy_session.py``).
 
 Fork safety is SQLAlchemy's documented recipe ("Using Connection Pools with
 Multiprocessing or os.fork()"): each pooled connection remembers the process
@@ -242,8 +245,8 @@ class EnginePool:
             connection.close()
             raise BreakerOpenError(ABANDONED)
         try:
-            connection.execution_options(isolation_level="AUTOCOMMIT")
             raw = connection.connection.driver_connection
+            raw.autocommit = True  # (False again before it goes back: putconn)
         except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
             connection.invalidate()
             connection.close()
@@ -285,16 +288,18 @@ class EnginePool:
             return self._lent[raw]
 
     def putconn(self, conn: Connection, *, discard: bool = False) -> None:
-        """Back to the engine: rolled back if a transaction is open, invalidated if it
-        broke (SQLAlchemy then replaces it), its isolation level restored by SQLAlchemy."""
+        """Back to the engine out of autocommit mode, as it was lent; invalidated
+        (SQLAlchemy replaces it) if it broke or still has a transaction open: closing
+        it rolls that back on the server, where a ``ROLLBACK`` sent here could wait
+        on a server that stopped answering, with no deadline."""
         with self._lock:
             connection = self._lent.pop(conn)
         try:
             if not discard and not conn.closed:
                 try:
-                    if self.driver.in_transaction(conn):
-                        with self.driver.cursor(conn) as cur:
-                            cur.execute("ROLLBACK")
+                    discard = self.driver.in_transaction(conn)
+                    if not discard:
+                        conn.autocommit = False
                 except driver.ERRORS:
                     discard = True
             if discard or conn.closed:
