@@ -245,7 +245,7 @@ class EnginePool:
             connection.close()
             raise BreakerOpenError(ABANDONED)
         try:
-            raw = connection.connection.driver_connection
+            raw: Any = connection.connection.driver_connection
             raw.autocommit = True  # (False again before it goes back: putconn)
         except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
             connection.invalidate()
