@@ -52,6 +52,7 @@ DROP_SCHEMA = """
 DROP TABLE IF EXISTS idempotency_outbox, idempotency_recovery_totals, idempotency_heartbeats,
     idempotency_deployment, idempotency_records;
 DROP FUNCTION IF EXISTS
+    idempotency_claim(bytea, bytea, bigint, double precision, double precision, bytea),
     idempotency_complete(bytea, bigint, smallint, jsonb, bytea),
     idempotency_checkpoint(bytea, bigint, text, jsonb),
     idempotency_claim_in_transaction(bytea, bigint, bigint),

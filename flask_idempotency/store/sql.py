@@ -22,69 +22,17 @@ LEASE_LOST_SQLSTATE = "IK409"
 #: answer and shuts the connection down (see ``watchdog.py``).
 CLIENT_DEADLINE_GRACE = 1.0
 
-#: One statement claims the key or reads the existing row. It reads first, so a
-#: replay or a 409 takes no row lock and writes nothing (an ``ON CONFLICT DO
-#: UPDATE ... WHERE false`` alone would lock the row and write WAL for every
-#: duplicate). The INSERT then takes the key when it is new, when the old record
-#: expired (treated as absent), or when a processing record's lease ran out under
-#: the *same* request (a crashed holder). A different request under a dead
-#: holder's key stays a 422: the key is bound to its first request until the TTL
-#: ends. ``ON CONFLICT`` settles races with a concurrent claimer; when a row
-#: appears or vanishes between the read and the insert, neither branch returns a
-#: row and the caller simply runs the statement again. The same holds when the
-#: row read was one we could take (expired, or a dead holder's) but another
-#: claimer took it first: the second branch never answers from that stale read
-#: (it would replay an expired answer, or a 422, where the truth is a 409), so
-#: the statement runs again and sees the new holder.
-#: A route that declares ``recover=`` sends what recovery needs (NULL for
-#: every other route), so it is written with the claim, in the same round trip.
-#: Taking over a dead holder of the same request keeps the recovery points it
-#: committed (the view resumes after them, and they come back in the claimed
-#: row); a claim of an expired record (a new request) drops them.
-#: Parameters: the record key, fingerprint, lock token, lease and TTL (seconds),
-#: and the recovery payload or NULL (``recovery.py``).
-CLAIM = """
-WITH existing AS (
-    SELECT state, fingerprint, status_code, headers, body, lease_expires_at, expires_at
-      FROM idempotency_records WHERE record_key = %(key)s
-), claimed AS (
-    INSERT INTO idempotency_records AS r
-        (record_key, fingerprint, state, lock_token, lease_expires_at, created_at, expires_at,
-         recovery)
-    SELECT %(key)s, %(fp)s, 'processing', %(token)s,
-           now() + make_interval(secs => %(lease)s), now(),
-           now() + make_interval(secs => %(ttl)s), %(recovery)s
-     WHERE NOT EXISTS (
-            SELECT 1 FROM existing e
-             WHERE e.expires_at > now()
-               AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
-                        AND e.fingerprint = %(fp)s))
-    ON CONFLICT (record_key) DO UPDATE
-       SET fingerprint = EXCLUDED.fingerprint, state = 'processing',
-           lock_token = EXCLUDED.lock_token, lease_expires_at = EXCLUDED.lease_expires_at,
-           created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
-           completed_at = NULL, status_code = NULL, headers = NULL, body = NULL,
-           takeovers = r.takeovers + 1, recovery = EXCLUDED.recovery,
-           phases = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.phases END
-     WHERE r.expires_at <= now()
-        OR (r.state = 'processing' AND r.lease_expires_at <= now()
-            AND r.fingerprint = EXCLUDED.fingerprint)
-    RETURNING r.phases
+#: Row mode's claim: takes the key, or reads the record that holds it, in one
+#: statement (migration 0010 has the statement and why it reads first). The
+#: columns: claimed, state, fingerprint, status, headers, body, seconds of lease
+#: and of TTL left, the recovery points of a dead holder taken over, and whether
+#: a live record was taken over. No row: the record appeared or vanished under
+#: it, and the caller asks again. The recovery payload is NULL except for routes
+#: that declare ``recover=`` (``recovery.py``).
+CLAIM = (
+    "SELECT * FROM idempotency_claim("
+    "%(key)s, %(fp)s, %(token)s::bigint, %(lease)s::float8, %(ttl)s::float8, %(recovery)s::bytea)"
 )
-SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb, NULL::bytea,
-       NULL::float8, NULL::float8, claimed.phases,
-       EXISTS (SELECT 1 FROM existing e WHERE e.state = 'processing' AND e.expires_at > now())
-  FROM claimed
-UNION ALL
-SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
-       extract(epoch FROM e.lease_expires_at - now())::float8,
-       extract(epoch FROM e.expires_at - now())::float8, NULL::jsonb, false
-  FROM existing e
- WHERE NOT EXISTS (SELECT 1 FROM claimed)
-   AND e.expires_at > now()
-   AND NOT coalesce(e.state = 'processing' AND e.lease_expires_at <= now()
-                    AND e.fingerprint = %(fp)s, false)
-"""
 
 #: Row mode's completion: fills the processing row in with the answer, fenced by
 #: the lock token (``IK409`` once taken over; the transaction then aborts and the

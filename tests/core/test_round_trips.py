@@ -170,16 +170,15 @@ def _statement_kind(sql: str) -> str:
         return "BEGIN+claim" if flat.startswith("BEGIN;") else flat
     if "idempotency_insert_completed" in flat:
         return "insert completed+COMMIT" if flat.rstrip().endswith("COMMIT") else flat
-    # The claim as one statement, or as a prepared statement's EXECUTE (with its
-    # PREPARE in front on a connection's first use - still one round trip).
-    if "INSERT INTO idempotency_records" in flat or "EXECUTE idempotency_claim" in flat:
+    # The claim: one call of its schema function, after the SET LOCALs it is sent with.
+    if "idempotency_claim(" in flat:
         # Asynchronous claim commit is the default; a durable one is named.
         return "claim" if "synchronous_commit TO off" in flat else "claim (durable commit)"
     if "idempotency_complete" in flat:
         return "complete+COMMIT" if flat.rstrip().endswith("COMMIT") else "complete"
     if "INSERT INTO bench_charges" in flat:
-        # On db.session the attempt's BEGIN rides on the session's first statement.
-        # (a savepoint too, in the transaction claim mode, whose claim opened it).
+        # (Nothing rides on the view's statements: the attempt's BEGIN and the
+        # session's savepoint are statements of their own.)
         for opening in ("BEGIN", "SAVEPOINT"):
             if flat.startswith(opening + " ") or flat.startswith(opening + ";"):
                 return f"{opening}+business INSERT"
