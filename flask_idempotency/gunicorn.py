@@ -72,6 +72,10 @@ def on_starting(server: Any) -> None:
             MULTIPROC_ENV,
             MULTIPROC_ENV,
         )
+    # Imported here, with the variable set, rather than first in child_exit: gunicorn
+    # calls child_exit from its SIGCHLD handler, and two workers dying together would
+    # re-enter a half-done import there (an ImportError that stops the master).
+    import prometheus_client.multiprocess  # noqa: F401
 
 
 def child_exit(server: Any, worker: Any) -> None:
