@@ -31,10 +31,11 @@ interleaved over rounds:
   difference between them is the savepoint's whole cost, SQLAlchemy included.
 
 The store sends one text per operation (``PostgresStore.statements``), each as
-one simple query, nothing prepared: the row-mode claim is parsed and planned on every call; the
-completions and the transaction-mode claim are calls of the schema's
-functions, whose inner statements PostgreSQL plans once per session and keeps.
-So ``row`` and ``transaction`` send exactly a request's claim and completion.
+one simple query, nothing prepared: the row-mode claim is parsed and planned
+on every call; the completions and the transaction-mode claim are calls of the
+schema's functions, whose inner statements PostgreSQL plans once per session
+and keeps. So ``row`` and ``transaction`` send exactly what a request's claim
+and completion send.
 
 For each it prints the backend's CPU (from ``/proc``, so run it on the
 database's machine), this process's CPU (driver, library and socket calls)
