@@ -5,8 +5,8 @@ throwaway PgBouncer (``pool_mode = transaction``, fewer server connections than
 the app has clients), in both claim modes, with the extension's default
 settings: it prepares no statements, so it needs none turned off. On psycopg 3
 the application's own engine prepares nothing (``prepare_threshold: None``,
-psycopg's advice behind a transaction pooler): that is for the queries of the
-app's ``db.session``, which psycopg would otherwise prepare after a few runs.
+which turns psycopg's preparing off): that is for the queries of the app's
+``db.session``, which psycopg would otherwise prepare after a few runs.
 The claim, the view's savepoints and the fenced completion must each stay
 within one server transaction. The test counts rows straight in PostgreSQL.
 

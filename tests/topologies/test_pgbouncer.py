@@ -189,9 +189,9 @@ def default_store(bounced: str, claim_mode: str, driver: str) -> Iterator[Postgr
 
 def view_statement(conn: Any, driver: str) -> None:
     """The view's own statement. psycopg 3 would prepare a query its own cursor runs
-    ``prepare_threshold`` times; behind a transaction pooler an application follows
-    psycopg's advice for its own queries (``prepare_threshold=None`` on its engine,
-    or ``prepare=False``), which the extension's statements do not need: they go
+    ``prepare_threshold`` times; behind a transaction pooler an application turns
+    that off for its own queries (``prepare_threshold=None`` on its engine, or
+    ``prepare=False``), which the extension's statements do not need: they go
     through a client-side cursor, which prepares nothing."""
     if driver == "psycopg":
         conn.execute("SELECT 1", prepare=False)
