@@ -13,6 +13,10 @@ interleaved over rounds:
   ``COMMIT``;
 * ``transaction``: the transaction claim mode: ``BEGIN`` with the claim, the
   ``INSERT``, the completed record's ``INSERT`` with the ``COMMIT``;
+* ``row texts`` and ``transaction texts``: the same statements, the
+  store's own texts (``PostgresStore.statements``), sent on a plain psycopg2
+  connection: the difference to ``row`` and ``transaction`` is what the store's
+  pool adds per request (SQLAlchemy's check-out and check-in);
 * ``transaction claim only``: that claim and a ``ROLLBACK``, against
   ``BEGIN`` and ``ROLLBACK`` alone (``begin+rollback``): the claim's own cost;
 * ``hand-written``: what ``sqla-handwritten`` (``benchmarks.sqla``) sends, at the
@@ -62,7 +66,7 @@ from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.postgres import PostgresStore
 from flask_idempotency.store.request import PostgresRequest
-from flask_idempotency.store.sql import response_params
+from flask_idempotency.store.sql import advisory_locks, response_params
 
 from .app import INSERT_CHARGE, database_url, prepare_database
 
@@ -221,6 +225,37 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
                 (record_key, fingerprint, TTL, *response_params(RESPONSE)),
             )
 
+    def row_texts() -> None:
+        # ``row``'s statements, the store's own texts, on the plain connection: what
+        # they cost PostgreSQL apart from the store's pool (its check-out and check-in).
+        record_key, fingerprint = new_key()
+        params = {"key": record_key, "fp": fingerprint, "token": 7, "lease": LEASE, "ttl": TTL,
+                  "recovery": None}  # fmt: skip
+        with plain.cursor() as cur:
+            cur.execute(row.statements.claim, params)
+            assert cur.fetchone() is not None
+            cur.execute("BEGIN")
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(row.statements.complete, (record_key, 7, *response_params(RESPONSE)))
+
+    def transaction_texts() -> None:
+        # The same for ``transaction``: the claim opens the transaction, the completed
+        # record's INSERT rides on the COMMIT.
+        record_key, fingerprint = new_key()
+        with plain.cursor() as cur:
+            cur.execute(
+                transaction.statements.claim_in_transaction,
+                (record_key, *advisory_locks(record_key, fingerprint)),
+            )
+            cur.fetchall()
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(
+                transaction.statements.insert_completed,
+                (record_key, fingerprint, TTL, *response_params(RESPONSE)),
+            )
+
     def bare_and_savepoint() -> None:
         with plain.cursor() as cur:
             cur.execute("BEGIN")
@@ -252,6 +287,8 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
         "begin+rollback": ("plain", begin_rollback),
         "transaction claim only": ("transaction", claim_only),
         "bare + savepoint": ("plain", bare_and_savepoint),
+        "row texts": ("plain", row_texts),
+        "transaction texts": ("plain", transaction_texts),
     }
     if probe.sqlalchemy is not None:
         found.update(sqlalchemy_sequences(probe.sqlalchemy))

@@ -27,16 +27,18 @@ def test_statements_smoke(clean_db: str, capsys: pytest.CaptureFixture[str]) -> 
         "begin+rollback",
         "transaction claim only",
         "bare + savepoint",
+        "row texts",
+        "transaction texts",
     }
     if find_spec("sqlalchemy") is not None:  # the savepoint's cost through SQLAlchemy
         expected |= {"sqlalchemy bare", "sqlalchemy + savepoint"}
     assert set(lines) == expected, out
-    # Each first request of the three sequences that store one (row, transaction,
-    # bare + record) left its record, completed: 20 measured and 20 of warm-up;
-    # the transaction claim alone rolled back and left none.
+    # Each first request of the five sequences that store one (row, transaction,
+    # their texts alone, bare + record) left its record, completed: 20 measured and
+    # 20 of warm-up; the transaction claim alone rolled back and left none.
     with psycopg2.connect(clean_db) as conn, conn.cursor() as cur:
         cur.execute("SELECT state, count(*) FROM idempotency_records GROUP BY state")
-        assert dict(cur.fetchall()) == {"completed": 3 * 40}
+        assert dict(cur.fetchall()) == {"completed": 5 * 40}
         # The hand-written layer's keys, each with its stored answer.
         cur.execute("SELECT status, count(*) FROM bench_sqla_keys GROUP BY status")
         assert dict(cur.fetchall()) == {201: 40}
