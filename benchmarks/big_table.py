@@ -18,7 +18,7 @@ Everything runs on a throwaway PostgreSQL server of its own (durable defaults:
 is not one long checkpoint storm), never on the machine's shared one. The
 server uses pgserver's binaries, or the machine's when those are missing, as
 the test suite does. ``--records 10000`` is a smoke run of a few seconds
-(``tests/test_bench_big_table.py``).
+(``tests/bench/test_bench_big_table.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import psycopg2
 
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import Claimed, Existing, StoredResponse
-from flask_idempotency.store.pool import ConnectionPool
 from flask_idempotency.store.postgres import PostgresStore
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -329,9 +329,12 @@ def main(argv: list[str] | None = None) -> None:
         for table in ("empty", "big"):
             execute(admin, f"CREATE DATABASE {table}")
             dsns[table] = server.dsn_for(table)  # type: ignore[attr-defined]
-        pools = {t: ConnectionPool(dsns[t], max_size=args.threads + 2) for t in dsns}
+        # Each (table, mode) is the store Idempotency builds for that database and
+        # claim mode: its own engine, a connection per thread and two to spare.
         stores = {
-            (t, mode): PostgresStore(pools[t], claim_mode=mode)
+            (t, mode): PostgresStore.from_settings(
+                Settings(database_url=dsns[t], pool_size=args.threads + 2, claim_mode=mode)
+            )
             for t in dsns
             for mode in ("row", "transaction")
         }

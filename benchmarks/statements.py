@@ -7,17 +7,16 @@ database work of one first request many times, for each of these sequences,
 interleaved over rounds:
 
 * ``bare``: ``BEGIN``, the business ``INSERT``, ``COMMIT`` (no idempotency);
-* ``row``: the library's row-mode first request through ``PostgresStore``: the
-  claim (committed on its own, asynchronously), ``BEGIN``, the ``INSERT``,
-  the completion with the ``COMMIT``;
+* ``row``: the library's row-mode first request through ``PostgresStore``, built
+  from ``Settings`` as ``Idempotency`` builds it: the claim (committed on its
+  own, asynchronously), ``BEGIN``, the ``INSERT``, the completion with the
+  ``COMMIT``;
 * ``transaction``: the transaction claim mode: ``BEGIN`` with the claim, the
   ``INSERT``, the completed record's ``INSERT`` with the ``COMMIT``;
-* ``row, full claim + fn`` and ``transaction, calls``: the same two with the
-  statements they sent before a new key's claim became ``CLAIM_NEW_BODY`` and
-  the completions prepared statements (the full claim and the completion
-  function's call; the claim's and the record's calls parsed each time), on one
-  connection: what that change saved, and what ``prepare_statements = False``
-  and a takeover still cost;
+* ``row texts`` and ``transaction texts``: the same statements, the
+  store's own texts (``PostgresStore.statements``), sent on a plain psycopg2
+  connection: the difference to ``row`` and ``transaction`` is what the store's
+  pool adds per request (SQLAlchemy's check-out and check-in);
 * ``transaction claim only``: that claim and a ``ROLLBACK``, against
   ``BEGIN`` and ``ROLLBACK`` alone (``begin+rollback``): the claim's own cost;
 * ``hand-written``: what ``sqla-handwritten`` (``benchmarks.sqla``) sends, at the
@@ -25,7 +24,8 @@ interleaved over rounds:
   business ``INSERT``, the ``UPDATE`` storing the answer, ``COMMIT`` (every
   statement planned afresh, as SQLAlchemy's ``text()`` sends it);
 * ``bare + record``: ``bare`` with the completed record inserted before its
-  ``COMMIT``: what storing the answer durably costs, without any claim;
+  ``COMMIT`` (the store's own ``insert_completed`` text): what storing the
+  answer durably costs, without any claim;
 * ``bare + savepoint``: ``bare`` with ``SAVEPOINT`` before the ``INSERT`` and
   ``RELEASE SAVEPOINT`` after it: what a ``db.session`` joined to the request's
   transaction adds per session transaction, at the driver;
@@ -33,6 +33,13 @@ interleaved over rounds:
   installed): the same two through a SQLAlchemy ``Connection``
   (``begin()``, ``begin_nested()``, ``execute()``, ``commit()``), so the
   difference between them is the savepoint's whole cost, SQLAlchemy included.
+
+The store sends one text per operation (``PostgresStore.statements``), each as
+one simple query, nothing prepared: the row-mode claim is parsed and planned
+on every call; the completions and the transaction-mode claim are calls of the
+schema's functions, whose inner statements PostgreSQL plans once per session
+and keeps. So ``row`` and ``transaction`` send exactly what a request's claim
+and completion send.
 
 For each it prints the backend's CPU (from ``/proc``, so run it on the
 database's machine), this process's CPU (driver, library and socket calls)
@@ -55,21 +62,11 @@ from typing import Any
 
 import psycopg2
 
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import Claimed, StoredResponse
-from flask_idempotency.store.pool import ConnectionPool
 from flask_idempotency.store.postgres import PostgresStore
 from flask_idempotency.store.request import PostgresRequest
-from flask_idempotency.store.sql import (
-    ASYNC_COMMIT_PREFIX,
-    CLAIM_IN_TRANSACTION,
-    COMPLETE,
-    EXECUTE_CLAIM,
-    INSERT_COMPLETED,
-    PREPARE_CLAIM,
-    PREPARE_CLAIM_IN_TRANSACTION,
-    response_params,
-    timeouts_sql,
-)
+from flask_idempotency.store.sql import advisory_locks, response_params
 
 from .app import INSERT_CHARGE, database_url, prepare_database
 
@@ -92,19 +89,13 @@ class Cost:
 
 
 class Probe:
-    """A store per claim mode (a pool of one connection each), and a plain
-    connection for the sequences without the extension."""
+    """A store per claim mode (a pool of one connection each, so one backend), and
+    a plain connection for the sequences without the extension."""
 
     def __init__(self, dsn: str) -> None:
-        self.stores = {
-            mode: PostgresStore(ConnectionPool(dsn, max_size=1), claim_mode=mode)
-            for mode in ("row", "transaction")
-        }
+        self.stores = {mode: store_for(dsn, mode) for mode in ("row", "transaction")}
         self.plain = psycopg2.connect(dsn)
         self.plain.autocommit = True
-        with self.plain.cursor() as cur:  # for the sequences that name the statements
-            cur.execute(PREPARE_CLAIM)
-            cur.execute("BEGIN;\n" + PREPARE_CLAIM_IN_TRANSACTION + "COMMIT")
         self.side = psycopg2.connect(dsn)
         self.side.autocommit = True
         self.sqlalchemy: Any = None
@@ -150,6 +141,13 @@ class Probe:
             row = cur.fetchone()
         assert row is not None
         return float(row[0])
+
+
+def store_for(dsn: str, claim_mode: str, pool_size: int = 1) -> PostgresStore:
+    """The store ``Idempotency`` builds for ``IDEMPOTENCY_DATABASE_URL = dsn`` with
+    these settings (its own SQLAlchemy engine, defaults for everything else)."""
+    settings = Settings(database_url=dsn, pool_size=pool_size, claim_mode=claim_mode)
+    return PostgresStore.from_settings(settings)
 
 
 def backend_cpu_seconds(pid: int) -> float:
@@ -223,7 +221,38 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
             cur.execute(INSERT_CHARGE, (1000, "usd"))
             cur.fetchone()
             cur.execute(
-                transaction.insert_completed,
+                transaction.statements.insert_completed,
+                (record_key, fingerprint, TTL, *response_params(RESPONSE)),
+            )
+
+    def row_texts() -> None:
+        # ``row``'s statements, the store's own texts, on the plain connection: what
+        # they cost PostgreSQL apart from the store's pool (its check-out and check-in).
+        record_key, fingerprint = new_key()
+        params = {"key": record_key, "fp": fingerprint, "token": 7, "lease": LEASE, "ttl": TTL,
+                  "recovery": None}  # fmt: skip
+        with plain.cursor() as cur:
+            cur.execute(row.statements.claim, params)
+            assert cur.fetchone() is not None
+            cur.execute("BEGIN")
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(row.statements.complete, (record_key, 7, *response_params(RESPONSE)))
+
+    def transaction_texts() -> None:
+        # The same for ``transaction``: the claim opens the transaction, the completed
+        # record's INSERT rides on the COMMIT.
+        record_key, fingerprint = new_key()
+        with plain.cursor() as cur:
+            cur.execute(
+                transaction.statements.claim_in_transaction,
+                (record_key, *advisory_locks(record_key, fingerprint)),
+            )
+            cur.fetchall()
+            cur.execute(INSERT_CHARGE, (1000, "usd"))
+            cur.fetchone()
+            cur.execute(
+                transaction.statements.insert_completed,
                 (record_key, fingerprint, TTL, *response_params(RESPONSE)),
             )
 
@@ -235,39 +264,6 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
             cur.fetchone()
             cur.execute("RELEASE SAVEPOINT sa_savepoint_1")
             cur.execute("COMMIT")
-
-    timeouts = timeouts_sql(5.0, 2.0)
-
-    def row_full_claim() -> None:
-        # ``row`` as it was before its first try became CLAIM_NEW_BODY and its
-        # completion a prepared statement (and as a takeover's claim still is): the
-        # full claim, then the completion function's call.
-        record_key, fingerprint = new_key()
-        params = {"key": record_key, "fp": fingerprint, "token": 7, "lease": LEASE, "ttl": TTL,
-                  "recovery": None}  # fmt: skip
-        with plain.cursor() as cur:
-            cur.execute(timeouts + ASYNC_COMMIT_PREFIX + EXECUTE_CLAIM, params)
-            cur.fetchone()
-            cur.execute("BEGIN;\n" + INSERT_CHARGE, (1000, "usd"))
-            cur.fetchone()
-            cur.execute(
-                timeouts + COMPLETE + ";\nCOMMIT", (record_key, 7, *response_params(RESPONSE))
-            )
-
-    def transaction_calls() -> None:
-        # ``transaction`` with its two calls parsed and planned each time (as
-        # ``prepare_statements = False`` sends them, and as they were before).
-        record_key, fingerprint = new_key()
-        locks = (int.from_bytes(record_key[:7], "big"), int.from_bytes(fingerprint[:7], "big"))
-        with plain.cursor() as cur:
-            cur.execute(CLAIM_IN_TRANSACTION, (record_key, *locks))
-            cur.fetchall()
-            cur.execute(INSERT_CHARGE, (1000, "usd"))
-            cur.fetchone()
-            cur.execute(
-                timeouts + INSERT_COMPLETED,
-                (record_key, fingerprint, TTL, *response_params(RESPONSE)),
-            )
 
     def begin_rollback() -> None:
         with plain.cursor() as cur:
@@ -291,8 +287,8 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
         "begin+rollback": ("plain", begin_rollback),
         "transaction claim only": ("transaction", claim_only),
         "bare + savepoint": ("plain", bare_and_savepoint),
-        "row, full claim + fn": ("plain", row_full_claim),
-        "transaction, calls": ("plain", transaction_calls),
+        "row texts": ("plain", row_texts),
+        "transaction texts": ("plain", transaction_texts),
     }
     if probe.sqlalchemy is not None:
         found.update(sqlalchemy_sequences(probe.sqlalchemy))

@@ -2,10 +2,13 @@
 
 The Flask-SQLAlchemy app under gunicorn reaches PostgreSQL only through a
 throwaway PgBouncer (``pool_mode = transaction``, fewer server connections than
-the app has clients), with ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]`` off and, for
-psycopg 3, an engine that prepares nothing (``prepare_threshold: None``). The
-claim, the view's savepoints and the fenced completion must each stay within
-one server transaction. The test counts rows straight in PostgreSQL.
+the app has clients), in both claim modes, with the extension's default
+settings: it prepares no statements, so it needs none turned off. On psycopg 3
+the application's own engine prepares nothing (``prepare_threshold: None``,
+which turns psycopg's preparing off): that is for the queries of the app's
+``db.session``, which psycopg would otherwise prepare after a few runs.
+The claim, the view's savepoints and the fenced completion must each stay
+within one server transaction. The test counts rows straight in PostgreSQL.
 
 A topology test (``make test-topologies``), skipped with the reason where no
 ``pgbouncer`` binary can be found.
@@ -42,16 +45,20 @@ def bouncer(database_url: str) -> Iterator[ThrowawayPgBouncer]:
         print(f"--- pgbouncer log ---\n{running.log_path.read_text(errors='replace')[-4000:]}")
 
 
-@pytest.fixture(scope="module", params=DIALECTS)
+@pytest.fixture(
+    scope="module",
+    params=[(dialect, mode) for dialect in DIALECTS for mode in ("row", "transaction")],
+    ids=lambda param: "-".join(param),
+)
 def bounced(
     request: pytest.FixtureRequest, database_url: str, bouncer: ThrowawayPgBouncer, gates: Gates
 ) -> Iterator[GunicornServer]:
+    dialect, claim_mode = request.param
     dbname = database_url.rsplit("/", 1)[1].split("?", 1)[0]
-    url = sa_url(bouncer.url_for(dbname), str(request.param))
-    env = {
-        "SA_APP_IDEMPOTENCY_DATABASE_OPTIONS": '{"prepare_statements": false}',
-        "SA_APP_NO_PREPARE": "1",
-    }
+    url = sa_url(bouncer.url_for(dbname), dialect)
+    env = {"SA_APP_IDEMPOTENCY_CLAIM_MODE": claim_mode}
+    if dialect == "psycopg":
+        env["SA_APP_NO_PREPARE"] = "1"  # the app's own queries (see above)
     with serving(url, gates, **env) as running:
         yield running
 

@@ -5,10 +5,10 @@ can); :func:`find_pgbouncer` says why it is missing otherwise, and the tests
 skip with that reason. PgBouncer refuses to run as root, so as root it runs as
 the same unprivileged account as the throwaway PostgreSQL servers.
 
-The configuration is the one the README's "Deployment topologies" section
-asks for: ``pool_mode = transaction``, and nothing that depends on session
-state (the extension sends ``SET LOCAL`` only, inside the round trip it
-concerns, and prepares nothing when ``IDEMPOTENCY_DATABASE_OPTIONS["prepare_statements"]`` is off).
+The configuration is the one the deployment guide's PgBouncer section asks
+for: ``pool_mode = transaction``, and nothing that depends on session state
+(the extension sends ``SET LOCAL`` only, inside the round trip it concerns,
+and prepares nothing).
 """
 
 from __future__ import annotations
