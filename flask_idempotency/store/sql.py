@@ -22,6 +22,18 @@ LEASE_LOST_SQLSTATE = "IK409"
 #: answer and shuts the connection down (see ``watchdog.py``).
 CLIENT_DEADLINE_GRACE = 1.0
 
+#: The request's fingerprint as a record written before 0.3.0 holds it: the v0
+#: digest inside an unambiguous v1 fingerprint (a marker byte 0x01, the 32-byte v0
+#: digest, 16 bytes of the media type's; ``fingerprint.py``), else the
+#: fingerprint itself (a v0 one; or an ambiguous v1 one, 0x02, which no v0 record
+#: can equal, 49 bytes against 32).
+#: In SQL so the claim compares server-side, in its one text, with no second
+#: parameter; :func:`written_before` is the same rule for the advisory locks.
+AS_WRITTEN_BEFORE = (
+    "(CASE WHEN length(%(fp)s) = 49 AND substring(%(fp)s FROM 1 FOR 1) = decode('01', 'hex')"
+    " THEN substring(%(fp)s FROM 2 FOR 32) ELSE %(fp)s END)"
+)
+
 #: One statement claims the key or reads the existing row. It reads first, so a
 #: replay or a 409 takes no row lock and writes nothing (an ``ON CONFLICT DO
 #: UPDATE ... WHERE false`` alone would lock the row and write WAL for every
@@ -41,9 +53,14 @@ CLIENT_DEADLINE_GRACE = 1.0
 #: Taking over a dead holder of the same request keeps the recovery points it
 #: committed (the view resumes after them, and they come back in the claimed
 #: row); a claim of an expired record (a new request) drops them.
+#: A dead holder is "of the same request" when its fingerprint is ours compared
+#: the way it was written (``fingerprint.matches``): byte for byte, or, for a
+#: record a release before 0.3.0 wrote (32 bytes), against the v0 digest inside
+#: our v1 fingerprint (:data:`AS_WRITTEN_BEFORE`), so a worker that
+#: died on the previous release is taken over by this one.
 #: Parameters: the record key, fingerprint, lock token, lease and TTL (seconds),
 #: and the recovery payload or NULL (``recovery.py``).
-CLAIM = """
+CLAIM = f"""
 WITH existing AS (
     SELECT state, fingerprint, status_code, headers, body, lease_expires_at, expires_at
       FROM idempotency_records WHERE record_key = %(key)s
@@ -58,7 +75,7 @@ WITH existing AS (
             SELECT 1 FROM existing e
              WHERE e.expires_at > now()
                AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
-                        AND e.fingerprint = %(fp)s))
+                        AND e.fingerprint IN (%(fp)s, {AS_WRITTEN_BEFORE})))
     ON CONFLICT (record_key) DO UPDATE
        SET fingerprint = EXCLUDED.fingerprint, state = 'processing',
            lock_token = EXCLUDED.lock_token, lease_expires_at = EXCLUDED.lease_expires_at,
@@ -68,7 +85,7 @@ WITH existing AS (
            phases = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.phases END
      WHERE r.expires_at <= now()
         OR (r.state = 'processing' AND r.lease_expires_at <= now()
-            AND r.fingerprint = EXCLUDED.fingerprint)
+            AND r.fingerprint IN (EXCLUDED.fingerprint, {AS_WRITTEN_BEFORE}))
     RETURNING r.phases
 )
 SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb, NULL::bytea,
@@ -83,7 +100,7 @@ SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
  WHERE NOT EXISTS (SELECT 1 FROM claimed)
    AND e.expires_at > now()
    AND NOT coalesce(e.state = 'processing' AND e.lease_expires_at <= now()
-                    AND e.fingerprint = %(fp)s, false)
+                    AND e.fingerprint IN (%(fp)s, {AS_WRITTEN_BEFORE}), false)
 """
 
 #: Row mode's completion: fills the processing row in with the answer, fenced by
@@ -301,10 +318,25 @@ def response_params(response: StoredResponse) -> tuple[int, str, Any]:
     return response.status, json.dumps(response.headers), response.body
 
 
+def written_before(fingerprint: bytes) -> bytes:
+    """:data:`AS_WRITTEN_BEFORE` in Python (``fingerprint.written_before``,
+    which the store's layer may not import)."""
+    if len(fingerprint) == 49 and fingerprint[:1] == b"\x01":  # v1, unambiguous
+        return fingerprint[1:33]
+    return fingerprint
+
+
 def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:
     """The request's and the key's advisory lock ids: signed 64-bit digests, so
-    distinct keys collide with odds of 2**-64 (and then only answer a spurious 409)."""
-    request = hashlib.sha256(record_key + b"\x00" + fingerprint).digest()
+    distinct keys collide with odds of 2**-64 (and then only answer a spurious 409).
+
+    The request's lock is taken on the fingerprint as the previous release wrote
+    it (:func:`written_before`), the one its workers lock: a retry that reaches a
+    new worker while the same request runs on an old one is a ``409``, never a
+    ``422`` that tells the client its request differs. The price: the same bytes
+    under another media type, while the first still runs, are a ``409`` too, and
+    a ``422`` once it has finished (its stored fingerprint compares in full)."""
+    request = hashlib.sha256(record_key + b"\x00" + written_before(fingerprint)).digest()
     return (
         int.from_bytes(request[:8], "big", signed=True),
         int.from_bytes(record_key[:8], "big", signed=True),
