@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from flask import Flask, Request, jsonify
 
+from flask_idempotency import Idempotency
 from flask_idempotency.events import ConsumerOutcome, Delivery
 from support.pg_query import query
 
@@ -32,7 +33,7 @@ def tenant_from_header(request: Request) -> str | None:
 
 def _app_with_consumer(make_trust_app: MakeTrustApp) -> tuple[Flask, Any, list[str]]:
     app = make_trust_app()
-    idem = app.extensions["idem"]
+    idem: Idempotency = app.extensions["idem"]
     runs: list[str] = []
 
     @app.post("/orders")
