@@ -192,8 +192,8 @@ Examples:
     "show_body",
     is_flag=True,
     help="Also print the stored headers and body. WARNING: that is the client's answer "
-    "as stored (it may hold personal or payment data, tokens, card details); off unless "
-    "asked for, and said again on stderr when it is printed.",
+    "as stored (it may hold personal or payment data, tokens, card details): off unless "
+    "asked for; mind where the output goes.",
 )
 @json_option
 @with_appcontext
@@ -221,7 +221,6 @@ def show(
         raise click.ClickException("no record for that key and scope")
     fields = _record_fields(rkey, info)
     if show_body:
-        click.echo("warning: printing a stored answer (client data)", err=True)
         fields["headers"] = [list(h) for h in info.headers]
         fields["body"] = (info.body or b"").decode("utf-8", "replace")
     echo_document(fields, as_json=as_json)
