@@ -12,6 +12,7 @@ import enum
 import math
 from typing import Any
 
+from .fingerprint import matches
 from .settings import ShouldStore
 from .store.base import Claimed, ClaimResult, StoredResponse
 
@@ -53,7 +54,7 @@ def decide(result: ClaimResult, fingerprint: bytes) -> Decision:
     one is a 409."""
     if isinstance(result, Claimed):
         return Proceed(result.token, result.phases)
-    if result.fingerprint != fingerprint:
+    if not matches(result.fingerprint, fingerprint):  # the way the record was written
         return Reject(Rejection.KEY_REUSED)
     if result.state == "completed" and result.response is not None:
         return Replay(result.response)

@@ -6,6 +6,7 @@ Keys are never stored or logged raw: the record's primary key is a SHA-256 of
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from flask import Request
@@ -16,6 +17,16 @@ from .digests import record_key as record_key
 from .errors import InvalidKey, MissingKey, ScopeUnavailable
 from .scopes import authorization_digest
 from .scopes import default_scope as default_scope  # re-exported: its old home
+
+log = logging.getLogger("flask_idempotency.requests")
+
+#: The scopes of event consumers' and Celery tasks' records (``consumer:<name>``,
+#: ``events/consumer.py``): an HTTP scope is refused from this namespace, so no
+#: value a scope function returns can claim (or pre-claim) a message's key.
+#: Refusing, rather than moving consumers and tasks elsewhere, keeps every record
+#: key and every derived key byte-identical across the upgrade, HTTP, consumer
+#: and task alike: the only requests it changes are those that collided.
+RESERVED_SCOPE_PREFIX = "consumer:"
 
 #: The IETF draft and Stripe both cap keys at 255 characters.
 MAX_KEY_LENGTH = 255
@@ -79,11 +90,22 @@ def resolve_scope(scope_func: Callable[[Request], str | None], request: Request)
 
     ``None`` means the request names no principal: it is refused with
     :class:`ScopeUnavailable` (``400 missing_scope``) before anything is claimed,
-    rather than pooled with other principals' records. Anything but a ``str``
+    rather than pooled with other principals' records; so is a scope in the
+    consumers' and tasks' namespace (:data:`RESERVED_SCOPE_PREFIX`). Anything but a ``str``
     or ``None`` is a bug in the scope function, raised as a ``TypeError``.
     """
     scope: object = scope_func(request)
     if isinstance(scope, str):
+        if scope.startswith(RESERVED_SCOPE_PREFIX):
+            # A user-chosen name (a tenant, a login) reaching a consumer's namespace:
+            # refused like a request with no principal, the value never logged.
+            log.warning(
+                "idempotency: the scope function %s returned a scope in the reserved "
+                "%r namespace (event consumers' and Celery tasks' records); refused",
+                getattr(scope_func, "__qualname__", repr(scope_func)),
+                RESERVED_SCOPE_PREFIX,
+            )
+            raise ScopeUnavailable()
         return scope
     if scope is None:
         raise ScopeUnavailable()

@@ -81,7 +81,7 @@ def read_body(request: Request) -> None:
         # error, so the view would act on part of a request.
         log.info("idempotency: request body shorter than its Content-Length")
         raise MalformedBody()
-    request.environ[FINGERPRINT_ENVIRON_KEY] = digest.digest()
+    request.environ[FINGERPRINT_ENVIRON_KEY] = digest.finish(request.mimetype)
 
 
 def _read_json(request: Request, stream: IO[bytes]) -> bytes:

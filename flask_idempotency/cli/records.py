@@ -3,10 +3,17 @@
 They change for one reason of their own: how an operator names a record (the
 client's key, and the scope computed from the client's credentials or given
 as is), kept apart from the table-wide maintenance in ``__init__.py``.
+
+A client's credentials are never taken from the command line, where ``ps`` and
+the shell's history show them to anyone on the machine: ``--authorization``
+reads the value from :data:`AUTHORIZATION_ENV`, else from standard input (a
+hidden prompt on a terminal), and so does a ``--header`` given by name alone.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -21,9 +28,28 @@ from .output import echo_document, json_option
 from .prompts import confirm, yes_option
 from .target import command_state
 
+#: Where ``--authorization`` reads the client's ``Authorization`` value first.
+AUTHORIZATION_ENV = "IDEMPOTENCY_CLIENT_AUTHORIZATION"
+
+
+def _secret(what: str, env: str | None) -> str:
+    """A client's secret from ``env`` (when set), else standard input: a hidden
+    prompt on a terminal, else its first line (``... | flask idempotency show``)."""
+    if env is not None and os.environ.get(env):
+        return os.environ[env]
+    stdin = sys.stdin
+    if stdin.isatty():
+        value: str = click.prompt(what, hide_input=True, err=True)
+    else:
+        value = stdin.readline().rstrip("\r\n")
+    if not value:
+        where = f"${env} or standard input" if env else "standard input"
+        raise click.UsageError(f"no {what} on {where}")
+    return value
+
 
 def _record_key(
-    key: str, scope: str | None, authorization: str | None, headers: tuple[str, ...]
+    key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...]
 ) -> bytes:
     from ..errors import InvalidKey
 
@@ -32,22 +58,25 @@ def _record_key(
     except InvalidKey:
         raise click.BadParameter("not a valid Idempotency-Key", param_hint="KEY") from None
     assert parsed is not None
-    if scope is not None and (authorization is not None or headers):
+    if scope is not None and (read_authorization or headers):
         raise click.UsageError("give --scope, or --authorization/--header, not both")
     if scope is None:
-        scope = _scope_from_headers(authorization, headers)
+        scope = _scope_from_headers(read_authorization, headers)
     return record_key(scope, parsed)
 
 
-def _parse_header(raw: str) -> tuple[str, str]:
+def _parse_header(raw: str) -> tuple[str, str | None]:
+    """``Name: value``, or ``Name`` alone: its value (a secret) is read from stdin."""
     name, sep, value = raw.partition(":")
     name = name.strip()
-    if not sep or not name or any(ch.isspace() for ch in name):
-        raise click.BadParameter(f"expected 'Name: value', got {raw!r}", param_hint="--header")
-    return name, value.strip(" \t")
+    if not name or any(ch.isspace() for ch in name):
+        raise click.BadParameter(
+            f"expected 'Name: value' or a name alone, got {raw!r}", param_hint="--header"
+        )
+    return name, value.strip(" \t") if sep else None
 
 
-def _scope_from_headers(authorization: str | None, headers: tuple[str, ...]) -> str:
+def _scope_from_headers(read_authorization: bool, headers: tuple[str, ...]) -> str:
     """The scope the app's ``IDEMPOTENCY_SCOPE_FUNC`` gives a request with these headers.
 
     The request context is built from the headers alone: no route, no body and
@@ -57,11 +86,17 @@ def _scope_from_headers(authorization: str | None, headers: tuple[str, ...]) -> 
     """
     from ..errors import ScopeUnavailable
 
-    sent = [_parse_header(raw) for raw in headers]
-    if authorization is not None:
-        if any(name.lower() == "authorization" for name, _ in sent):
-            raise click.UsageError("give --authorization or --header 'Authorization: ...'")
-        sent.append(("Authorization", authorization))
+    parsed = [_parse_header(raw) for raw in headers]
+    if read_authorization:
+        if any(name.lower() == "authorization" for name, _ in parsed):
+            raise click.UsageError("give --authorization or --header Authorization, not both")
+        parsed.append(("Authorization", None))
+    if sum(value is None for _, value in parsed) > 1:
+        raise click.UsageError("only one header value can be read from standard input")
+    sent = [
+        (name, value if value is not None else _secret(f"{name} value", _env_for(name)))
+        for name, value in parsed
+    ]
     state = command_state()
     scope_func = state.settings.scope_func
     name = getattr(scope_func, "__qualname__", repr(scope_func))
@@ -82,6 +117,10 @@ def _scope_from_headers(authorization: str | None, headers: tuple[str, ...]) -> 
             ) from exc
 
 
+def _env_for(header: str) -> str | None:
+    return AUTHORIZATION_ENV if header.lower() == "authorization" else None
+
+
 scope_option = click.option(
     "--scope",
     default=None,
@@ -90,16 +129,19 @@ scope_option = click.option(
 )
 authorization_option = click.option(
     "--authorization",
-    default=None,
-    help="The client's Authorization header value; the scope is computed by the app's "
-    "IDEMPOTENCY_SCOPE_FUNC.",
+    "read_authorization",
+    is_flag=True,
+    help=f"Compute the scope with the app's IDEMPOTENCY_SCOPE_FUNC from the client's "
+    f"Authorization value, read from ${AUTHORIZATION_ENV}, else from standard input "
+    "(never from the command line, where ps and shell history would show it).",
 )
 header_option = click.option(
     "--header",
     "headers",
     multiple=True,
-    metavar="'NAME: VALUE'",
-    help="A request header the app's scope function reads (repeatable).",
+    metavar="'NAME: VALUE' | NAME",
+    help="A request header the app's scope function reads (repeatable). A NAME alone "
+    "reads its value from standard input: use that for any secret.",
 )
 
 
@@ -135,7 +177,9 @@ def _record_fields(rkey: bytes, info: RecordInfo) -> dict[str, Any]:
 @click.command(
     epilog="""\b
 Examples:
-  flask --app example_app idempotency show order-1 --authorization 'Bearer sk_test_1'
+  export IDEMPOTENCY_CLIENT_AUTHORIZATION  # set without echo, e.g. read -rs
+  flask --app example_app idempotency show order-1 --authorization
+  flask --app example_app idempotency show order-1 --authorization < client-key.txt
   flask --app example_app idempotency show order-1 --scope user:42 --json | jq .state
 """
 )
@@ -143,13 +187,20 @@ Examples:
 @scope_option
 @authorization_option
 @header_option
-@click.option("--body", "show_body", is_flag=True, help="Also print the stored headers and body.")
+@click.option(
+    "--body",
+    "show_body",
+    is_flag=True,
+    help="Also print the stored headers and body. WARNING: that is the client's answer "
+    "as stored (it may hold personal or payment data, tokens, card details): off unless "
+    "asked for; mind where the output goes.",
+)
 @json_option
 @with_appcontext
 def show(
     key: str,
     scope: str | None,
-    authorization: str | None,
+    read_authorization: bool,
     headers: tuple[str, ...],
     show_body: bool,
     as_json: bool,
@@ -158,10 +209,10 @@ def show(
 
     KEY is the client's Idempotency-Key; the record is found in the scope the
     app's scope function computes from --authorization / --header, or in
-    --scope. Exit 1 when there is no record.
+    --scope. Exit 1 when there is no record. --body prints the stored answer.
     """
     state = command_state()
-    rkey = _record_key(key, scope, authorization, headers)
+    rkey = _record_key(key, scope, read_authorization, headers)
     try:
         info = state.store.info(rkey)
     except StoreUnavailableError as exc:
@@ -178,7 +229,7 @@ def show(
 @click.command(
     epilog="""\b
 Examples:
-  flask --app example_app idempotency unlock order-1 --authorization 'Bearer sk_test_1'
+  flask --app example_app idempotency unlock order-1 --authorization < client-key.txt
   flask --app example_app idempotency unlock order-1 --scope user:42 --yes
 """
 )
@@ -189,7 +240,7 @@ Examples:
 @yes_option
 @with_appcontext
 def unlock(
-    key: str, scope: str | None, authorization: str | None, headers: tuple[str, ...], yes: bool
+    key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...], yes: bool
 ) -> None:
     """Release a stuck processing record so the next request with the key runs.
 
@@ -198,7 +249,7 @@ def unlock(
     asks on a terminal; off a terminal it needs --yes (else exit 2).
     """
     state = command_state()
-    rkey = _record_key(key, scope, authorization, headers)
+    rkey = _record_key(key, scope, read_authorization, headers)
     try:
         info = state.store.info(rkey)
         if info is None or info.state != "processing":

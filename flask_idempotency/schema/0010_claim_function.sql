@@ -32,6 +32,18 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
 AS $$
+DECLARE
+    -- The request's fingerprint as a record written before 0.3.0 holds it: the v0
+    -- digest inside an unambiguous v1 fingerprint (a marker byte 0x01, the 32-byte
+    -- v0 digest, 16 bytes of the media type's; flask_idempotency/fingerprint.py),
+    -- else the fingerprint itself (a v0 one, or an ambiguous v1 one, marked 0x02,
+    -- which no v0 record can equal: 49 bytes against 32). A dead holder of the
+    -- same request is taken over whichever release wrote it.
+    as_written_before bytea := CASE
+        WHEN length(p_fingerprint) = 49 AND substring(p_fingerprint FROM 1 FOR 1) = '\x01'::bytea
+        THEN substring(p_fingerprint FROM 2 FOR 32)
+        ELSE p_fingerprint
+    END;
 BEGIN
     RETURN QUERY
     WITH existing AS (
@@ -48,7 +60,7 @@ BEGIN
                 SELECT 1 FROM existing e
                  WHERE e.expires_at > now()
                    AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
-                            AND e.fingerprint = p_fingerprint))
+                            AND e.fingerprint IN (p_fingerprint, as_written_before)))
         ON CONFLICT (record_key) DO UPDATE
            SET fingerprint = EXCLUDED.fingerprint, state = 'processing',
                lock_token = EXCLUDED.lock_token, lease_expires_at = EXCLUDED.lease_expires_at,
@@ -58,7 +70,7 @@ BEGIN
                phases = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.phases END
          WHERE r.expires_at <= now()
             OR (r.state = 'processing' AND r.lease_expires_at <= now()
-                AND r.fingerprint = EXCLUDED.fingerprint)
+                AND r.fingerprint IN (EXCLUDED.fingerprint, as_written_before))
         RETURNING r.phases
     )
     SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb, NULL::bytea,
@@ -73,6 +85,6 @@ BEGIN
      WHERE NOT EXISTS (SELECT 1 FROM claimed)
        AND e.expires_at > now()
        AND NOT coalesce(e.state = 'processing' AND e.lease_expires_at <= now()
-                        AND e.fingerprint = p_fingerprint, false);
+                        AND e.fingerprint IN (p_fingerprint, as_written_before), false);
 END
 $$;

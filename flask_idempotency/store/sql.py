@@ -28,7 +28,12 @@ CLIENT_DEADLINE_GRACE = 1.0
 #: and of TTL left, the recovery points of a dead holder taken over, and whether
 #: a live record was taken over. No row: the record appeared or vanished under
 #: it, and the caller asks again. The recovery payload is NULL except for routes
-#: that declare ``recover=`` (``recovery.py``).
+#: that declare ``recover=`` (``recovery.py``). A dead holder is "of the same
+#: request" when its fingerprint is ours compared the way it was written
+#: (``fingerprint.matches``): byte for byte, or, for a record a release before
+#: 0.3.0 wrote (32 bytes), against the v0 digest inside our v1 fingerprint (the
+#: function's ``as_written_before``, :func:`written_before` in Python), so a
+#: worker that died on the previous release is taken over by this one.
 CLAIM = (
     "SELECT * FROM idempotency_claim("
     "%(key)s, %(fp)s, %(token)s::bigint, %(lease)s::float8, %(ttl)s::float8, %(recovery)s::bytea)"
@@ -249,10 +254,25 @@ def response_params(response: StoredResponse) -> tuple[int, str, Any]:
     return response.status, json.dumps(response.headers), response.body
 
 
+def written_before(fingerprint: bytes) -> bytes:
+    """The claim function's ``as_written_before`` (migration 0010) in Python
+    (``fingerprint.written_before``, which the store's layer may not import)."""
+    if len(fingerprint) == 49 and fingerprint[:1] == b"\x01":  # v1, unambiguous
+        return fingerprint[1:33]
+    return fingerprint
+
+
 def advisory_locks(record_key: bytes, fingerprint: bytes) -> tuple[int, int]:
     """The request's and the key's advisory lock ids: signed 64-bit digests, so
-    distinct keys collide with odds of 2**-64 (and then only answer a spurious 409)."""
-    request = hashlib.sha256(record_key + b"\x00" + fingerprint).digest()
+    distinct keys collide with odds of 2**-64 (and then only answer a spurious 409).
+
+    The request's lock is taken on the fingerprint as the previous release wrote
+    it (:func:`written_before`), the one its workers lock: a retry that reaches a
+    new worker while the same request runs on an old one is a ``409``, never a
+    ``422`` that tells the client its request differs. The price: the same bytes
+    under another media type, while the first still runs, are a ``409`` too, and
+    a ``422`` once it has finished (its stored fingerprint compares in full)."""
+    request = hashlib.sha256(record_key + b"\x00" + written_before(fingerprint)).digest()
     return (
         int.from_bytes(request[:8], "big", signed=True),
         int.from_bytes(record_key[:8], "big", signed=True),

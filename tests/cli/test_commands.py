@@ -17,8 +17,8 @@ from support.pg_query import query
 MakeApp = Callable[..., Flask]
 
 
-def run(app: Flask, *args: str) -> Any:
-    return app.test_cli_runner().invoke(args=["idempotency", *args])
+def run(app: Flask, *args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> Any:
+    return app.test_cli_runner().invoke(args=["idempotency", *args], input=stdin, env=env)
 
 
 def charge(app: Flask, key: str, auth: str = "Bearer sk_1", **body: Any) -> Any:
@@ -73,14 +73,14 @@ def test_purge_deletes_expired_records_in_batches(make_app: MakeApp, database_ur
 def test_show_prints_state_and_body_only_on_request(make_app: MakeApp) -> None:
     app = make_app()
     charge(app, "shown-key", amount=987654321)
-    plain = run(app, "show", "shown-key", "--authorization", "Bearer sk_1")
+    plain = run(app, "show", "shown-key", "--authorization", stdin="Bearer sk_1\n")
     assert plain.exit_code == 0, plain.output
     assert "state: completed" in plain.output
     assert "status: 201" in plain.output
     assert "987654321" not in plain.output
-    with_body = run(app, "show", "shown-key", "--authorization", "Bearer sk_1", "--body")
+    with_body = run(app, "show", "shown-key", "--authorization", "--body", stdin="Bearer sk_1\n")
     assert '"amount":987654321' in with_body.output.replace(" ", "")
-    other_scope = run(app, "show", "shown-key", "--authorization", "Bearer sk_2")
+    other_scope = run(app, "show", "shown-key", "--authorization", stdin="Bearer sk_2\n")
     assert other_scope.exit_code != 0
     assert "no record" in other_scope.output
     assert run(app, "show", "bad key").exit_code != 0
@@ -91,10 +91,10 @@ def test_unlock_releases_a_stuck_processing_record(make_app: MakeApp, database_u
     charge(app, "stuck")
     query(database_url, "UPDATE idempotency_records SET state = 'processing', lock_token = 1")
     assert charge(app, "stuck").status_code == 409
-    result = run(app, "unlock", "stuck", "--authorization", "Bearer sk_1")
+    result = run(app, "unlock", "stuck", "--authorization", stdin="Bearer sk_1\n")
     assert result.exit_code == 0, result.output
     assert charge(app, "stuck").status_code == 201
-    assert run(app, "unlock", "stuck", "--authorization", "Bearer sk_1").exit_code != 0
+    assert run(app, "unlock", "stuck", "--authorization", stdin="Bearer sk_1\n").exit_code != 0
 
 
 def test_cli_reports_an_unreachable_database(make_app: MakeApp) -> None:
@@ -160,23 +160,29 @@ def test_show_and_unlock_find_the_example_apps_records_by_authorization(
     sent = {"Authorization": "Bearer sk_test_cli", "Idempotency-Key": "order-1"}
     assert example_app.test_client().post("/v1/charges", json=body, headers=sent).status_code == 201
 
-    shown = run(example_app, "show", "order-1", "--authorization", "Bearer sk_test_cli")
+    shown = run(example_app, "show", "order-1", "--authorization", stdin="Bearer sk_test_cli\n")
     assert shown.exit_code == 0, shown.output
     assert "state: completed" in shown.output and "status: 201" in shown.output
     as_header = run(example_app, "show", "order-1", "--header", "authorization: Bearer sk_test_cli")
     assert as_header.exit_code == 0, as_header.output
-    other = run(example_app, "show", "order-1", "--authorization", "Bearer sk_test_other")
+    other = run(example_app, "show", "order-1", "--authorization", stdin="Bearer sk_test_other\n")
     assert other.exit_code != 0 and "no record" in other.output
 
     query(clean_db, "UPDATE idempotency_records SET state = 'processing', lock_token = 1")
-    unlocked = run(example_app, "unlock", "order-1", "--authorization", "Bearer sk_test_cli")
+    unlocked = run(
+        example_app, "unlock", "order-1", "--authorization", stdin="Bearer sk_test_cli\n"
+    )
     assert unlocked.exit_code == 0, unlocked.output
     assert query(clean_db, "SELECT count(*) FROM idempotency_records") == [(0,)]
 
 
 def test_show_says_when_the_scope_function_finds_no_principal(example_app: Flask) -> None:
-    for args in ([], ["--authorization", "Basic dXNlcjpwdw=="], ["--header", "X-Other: 1"]):
-        result = run(example_app, "show", "order-1", *args)
+    for args, stdin in (
+        ([], None),
+        (["--authorization"], "Basic dXNlcjpwdw==\n"),
+        (["--header", "X-Other: 1"], None),
+    ):
+        result = run(example_app, "show", "order-1", *args, stdin=stdin)
         assert result.exit_code != 0
         assert "finds no principal" in result.output and "--scope" in result.output
         assert "Traceback" not in result.output
@@ -184,12 +190,12 @@ def test_show_says_when_the_scope_function_finds_no_principal(example_app: Flask
 
 def test_scope_options_are_checked(make_app: MakeApp) -> None:
     app = make_app()
-    both = run(app, "show", "k", "--scope", "user:1", "--authorization", "Bearer sk_1")
+    both = run(app, "show", "k", "--scope", "user:1", "--authorization", stdin="Bearer sk_1\n")
     assert both.exit_code != 0 and "not both" in both.output
     bad = run(app, "show", "k", "--header", "no colon here")
     assert bad.exit_code != 0 and "Name: value" in bad.output
     twice = run(
-        app, "show", "k", "--authorization", "Bearer a", "--header", "Authorization: Bearer b"
+        app, "show", "k", "--authorization", "--header", "Authorization: Bearer b", stdin="a\n"
     )
     assert twice.exit_code != 0
 
@@ -212,7 +218,32 @@ def test_a_failing_scope_function_is_reported_without_a_traceback(make_app: Make
         raise KeyError("user")
 
     app = make_app(IDEMPOTENCY_SCOPE_FUNC=needs_a_view)
-    result = run(app, "show", "k", "--authorization", "Bearer sk_1")
+    result = run(app, "show", "k", "--authorization", stdin="Bearer sk_1\n")
     assert result.exit_code != 0
     assert "failed for these headers" in result.output and "--scope" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_clients_secret_never_needs_the_command_line(example_app: Flask, clean_db: str) -> None:
+    """Contract section 7: the record is found from the environment or standard input;
+    the old ``--authorization VALUE`` no longer takes a value (it would be in ``ps``)."""
+    sent = {"Authorization": "Bearer sk_test_env", "Idempotency-Key": "order-env"}
+    body = {"amount": 1500, "currency": "usd", "customer": "cus_1", "source": "tok_visa"}
+    assert example_app.test_client().post("/v1/charges", json=body, headers=sent).status_code == 201
+
+    env = {"IDEMPOTENCY_CLIENT_AUTHORIZATION": "Bearer sk_test_env"}
+    by_env = run(example_app, "show", "order-env", "--authorization", env=env)
+    assert by_env.exit_code == 0 and "state: completed" in by_env.output, by_env.output
+    by_name = run(
+        example_app, "show", "order-env", "--header", "Authorization", stdin="Bearer sk_test_env\n"
+    )
+    assert by_name.exit_code == 0 and "state: completed" in by_name.output, by_name.output
+    nothing = run(example_app, "show", "order-env", "--authorization", stdin="")
+    assert nothing.exit_code != 0 and "IDEMPOTENCY_CLIENT_AUTHORIZATION" in nothing.output
+    old_style = run(example_app, "show", "order-env", "--authorization", "Bearer sk_test_env")
+    assert old_style.exit_code != 0  # the value is now an unexpected extra argument
+
+    shown = run(example_app, "show", "order-env", "--authorization", "--body", env=env)
+    assert shown.exit_code == 0 and '"amount":1500' in shown.output.replace(" ", "")
+    help_text = run(example_app, "show", "--help").output
+    assert "WARNING" in help_text and "standard input" in help_text

@@ -36,6 +36,7 @@ DATABASE_CHECKS: tuple[tuple[str, CheckFunc], ...] = (
     ("pgbouncer", database.pgbouncer),
     ("session timeouts", database.session_timeouts),
     ("autovacuum", database.autovacuum),
+    ("purge", database.purge),
     ("clock", database.clock),
 )
 #: Checks of the configuration and the other services.

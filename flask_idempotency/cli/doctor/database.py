@@ -12,7 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from ...store.base import StoreUnavailableError
-from ...store.diagnostics import AUTOVACUUM, SERVER_CLOCK, SERVER_SIDE, SESSION_TIMEOUTS
+from ...store.diagnostics import (
+    AUTOVACUUM,
+    EXPIRED_RECORDS,
+    SERVER_CLOCK,
+    SERVER_SIDE,
+    SESSION_TIMEOUTS,
+)
 from ...store.schema import FIX
 from .base import FAIL, OK, WARN, Check, Context, ping, seconds
 from .routes import longest_lease, shortest_lease
@@ -30,6 +36,9 @@ RECORDS = "idempotency_records"
 #: Clock skew above which the doctor warns (seconds); above half the shortest
 #: lease it fails, since leases and TTLs are compared with the server's clock.
 SKEW_WARN = 1.0
+#: Expired records kept longer than this past their expiry mean that nobody runs
+#: ``flask idempotency purge``: a day, the default TTL, leaves room for a daily job.
+PURGE_LATE = 24 * 3600.0
 
 
 def database(ctx: Context) -> Check:
@@ -254,6 +263,32 @@ def autovacuum(ctx: Context) -> Check:
     return Check(
         "autovacuum", OK, f"{figures}{last}; vacuumed after {threshold} + {scale:g} x live rows"
     )
+
+
+# -- purge -------------------------------------------------------------------------
+
+
+def purge(ctx: Context) -> Check:
+    """Expired records are treated as absent but kept, stored answers and all
+    (headers and bodies, in plain text), until ``flask idempotency purge``
+    deletes them: nothing else does, so it must be scheduled."""
+    count, oldest = ctx.store.read(EXPIRED_RECORDS)[0]
+    if count and oldest > PURGE_LATE:
+        return Check(
+            "purge",
+            WARN,
+            f"{count} expired record(s) still hold stored answers, the oldest expired "
+            f"{oldest / 3600:.0f} h ago: nothing deletes them but purge",
+            "schedule `flask idempotency purge` (cron, a Kubernetes CronJob), hourly or daily",
+        )
+    if count:
+        return Check(
+            "purge",
+            OK,
+            f"{count} expired record(s) await purge, the oldest expired {seconds(oldest)} ago "
+            "(keep `flask idempotency purge` scheduled)",
+        )
+    return Check("purge", OK, "no expired record waits for purge (keep it scheduled)")
 
 
 # -- clocks ----------------------------------------------------------------------------

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from flask.sessions import SecureCookieSessionInterface
+
 from ...errors import ScopeUnavailable
 from ...keys import resolve_scope
 from ...recovery import route_options_of
 from ...route_options import RouteOptions, check_against_settings
-from ...scopes import global_scope
+from ...scopes import authorization_scope, default_scope, global_scope
 from ...store.sql import CLIENT_DEADLINE_GRACE
 from .base import FAIL, OK, WARN, Check, Context, seconds, worst
 
@@ -168,12 +170,41 @@ def scope(ctx: Context) -> Check:
             "set IDEMPOTENCY_SCOPE_FUNC to one naming your principals (user_scope(...)) "
             "unless one client calls this app",
         )
+    on_authorization = [
+        route.label
+        for route in candidates
+        if (route.options.scope_func or settings.scope_func) in (default_scope, authorization_scope)
+    ]
+    sessions = _browser_sessions(ctx.app)
+    if on_authorization and sessions:
+        return Check(
+            "scope",
+            WARN,
+            f"the scope of {_some(on_authorization)} rests on the Authorization header in an "
+            f"app with {sessions}: behind a gateway or proxy that sends one shared "
+            "credential, every user is in one scope and can be replayed another's answer",
+            "set IDEMPOTENCY_SCOPE_FUNC to a scope function naming the user, e.g. "
+            "user_scope(lambda: session.get('user_id')) (docs: Security)",
+        )
     detail = (
         f"requests without credentials are refused (400 missing_scope) on {len(routes)} route(s)"
     )
     if unknown:
         detail += f"; {len(unknown)} scope function(s) need more than headers to tell"
     return Check("scope", OK, detail)
+
+
+def _browser_sessions(app: Any) -> str | None:
+    """What says that users reach the app with a session rather than their own
+    credentials: flask-login, or a session interface of its own (Flask-Session's
+    server-side sessions); ``None`` otherwise. Flask's own signed-cookie session
+    is there in every app and a ``SECRET_KEY`` is set for the cache's keys too, so
+    neither tells that users log in through it."""
+    if getattr(app, "login_manager", None) is not None:
+        return "flask-login"
+    if type(app.session_interface) is not SecureCookieSessionInterface:
+        return f"server-side sessions ({type(app.session_interface).__name__})"
+    return None
 
 
 _UNKNOWN: Any = object()
