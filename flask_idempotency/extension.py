@@ -111,6 +111,7 @@ class Idempotency:
             app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
         )
         sessions = None
+        max_overflow: int | None = None
         if not joins and "sqlalchemy" in app.extensions:
             log.warning(
                 "idempotency: this app uses Flask-SQLAlchemy, but the extension was not "
@@ -120,12 +121,12 @@ class Idempotency:
         if joins:
             from . import sqlalchemy_session  # SQLAlchemy is imported only by its users
 
-            engine, session = sqlalchemy_session.from_app(app, db, engine, session)
+            engine, session, max_overflow = sqlalchemy_session.from_app(app, db, engine, session)
         store: PostgresStore | MemoryStore
         if is_memory_url(settings.database_url):
             store = MemoryStore()
         else:
-            store = PostgresStore.from_settings(settings, engine)
+            store = PostgresStore.from_settings(settings, engine, max_overflow=max_overflow)
             if session is not None:
                 sessions = sqlalchemy_session.SessionJoin(session, store.pool)
         state = AppState(

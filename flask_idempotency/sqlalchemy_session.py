@@ -190,12 +190,18 @@ def _rollback_quietly(session: Session) -> None:
             log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
 
 
+#: SQLAlchemy's default ``max_overflow`` of a ``QueuePool``.
+DEFAULT_MAX_OVERFLOW = 10
+
+
 def from_app(
     app: Flask, db: Any, engine: Engine | None, session: Any
-) -> tuple[Engine, scoped_session[Any] | None]:
-    """The engine and the scoped session for ``init_app(app, db=db)``
-    (Flask-SQLAlchemy) or ``init_app(app, engine=engine, session=scoped_session)``
-    (plain SQLAlchemy; ``session`` may be left out)."""
+) -> tuple[Engine, scoped_session[Any] | None, int | None]:
+    """The engine, the scoped session and the engine's ``max_overflow`` (when the
+    app's config says it: Flask-SQLAlchemy's) for ``init_app(app, db=db)`` or
+    ``init_app(app, engine=engine, session=scoped_session)`` (plain SQLAlchemy;
+    ``session`` may be left out)."""
+    max_overflow: int | None = None
     if db is not None:
         if engine is not None or session is not None:
             raise ValueError("give db=, or engine= and session=, not both")
@@ -207,6 +213,8 @@ def from_app(
         with app.app_context():
             engine = db.engine
         session = db.session
+        options = app.config.get("SQLALCHEMY_ENGINE_OPTIONS") or {}
+        max_overflow = int(options.get("max_overflow", DEFAULT_MAX_OVERFLOW))
     if not isinstance(engine, Engine):
         raise TypeError("engine= must be a sqlalchemy.engine.Engine")
     if "alembic" in sys.modules:
@@ -218,4 +226,4 @@ def from_app(
         not hasattr(session, "session_factory") or not hasattr(session, "registry")
     ):
         raise TypeError("session= must be a sqlalchemy.orm.scoped_session")
-    return engine, session
+    return engine, session, max_overflow

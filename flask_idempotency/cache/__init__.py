@@ -35,7 +35,14 @@ def cache_from_settings(settings: Settings, config: Mapping[str, Any], store: An
         # restart forgets the records, not the copies): the cache is off.
         log.warning("idempotency: memory:// keeps no Redis cache; the Redis settings are unused")
         return NullCache()
-    from .redis import RedisCache, client_for_settings  # lazily: redis is an optional extra
+    try:
+        from .redis import RedisCache, client_for_settings  # lazily: an optional extra
+    except ModuleNotFoundError as exc:
+        if exc.name != "redis":
+            raise
+        raise RuntimeError(
+            "IDEMPOTENCY_REDIS_URL needs redis-py: pip install 'flask-idempotency[redis]'"
+        ) from exc
 
     secrets = secrets_from_config(config)
     if not secrets:

@@ -194,7 +194,9 @@ class EnginePool:
     #: (``observability.attach``); ``None`` costs one attribute read per call.
     observer: Observer | None = None
 
-    def __init__(self, engine: Engine, *, owned: bool = False) -> None:
+    def __init__(
+        self, engine: Engine, *, owned: bool = False, max_overflow: int | None = None
+    ) -> None:
         if engine.dialect.name != "postgresql":
             raise ValueError(
                 f"flask_idempotency needs PostgreSQL; the engine is {engine.dialect.name}"
@@ -202,6 +204,10 @@ class EnginePool:
         self.engine = engine
         #: The extension built the engine (and disposes of it on ``close()``).
         self.owned = owned
+        #: The engine's ``max_overflow`` when known (SQLAlchemy's pools do not say
+        #: it): none for the extension's own engine; Flask-SQLAlchemy's from its
+        #: config; unknown for an engine given with ``engine=``.
+        self._max_overflow = 0 if owned else max_overflow
         #: How the engine's DBAPI connections take the store's statements.
         self.driver: Driver = for_dialect(engine.dialect.driver)
         #: DBAPI connection -> the SQLAlchemy connection it was lent with.
@@ -261,23 +267,24 @@ class EnginePool:
 
     def _must_wait(self) -> bool:
         """Whether a checkout now waits for one of the pool's connections (every one
-        is lent), which says the pool is smaller than the worker's threads: warned
-        about once per process."""
+        it may open is lent), which says the pool is smaller than the worker's
+        threads: warned about once per process. ``False`` when the pool's capacity
+        is unknown (an engine given with ``engine=``)."""
+        capacity = self.capacity()
         pool: Any = self.engine.pool
-        counts = ("checkedin", "checkedout", "size")
-        if not all(callable(getattr(pool, name, None)) for name in counts):
+        if capacity is None or not callable(getattr(pool, "checkedin", None)):
             return False
-        if pool.checkedin() > 0 or pool.checkedout() < pool.size():
+        limit, setting = capacity
+        if pool.checkedin() > 0 or pool.checkedout() < limit:
             return False
         if not self._warned_wait:
             self._warned_wait = True
-            size, setting = self.capacity() or (pool.size(), "pool_size")
             log.warning(
                 "idempotency: a request waited for a database connection: all %d of %s "
                 "are in use. Each in-flight idempotent request holds one until it "
                 "completes; size the pool to at least the worker's threads (requests "
                 "answer 503 after its pool_timeout). Logged once per process.",
-                size,
+                limit,
                 setting,
             )
         return True
@@ -335,14 +342,15 @@ class EnginePool:
 
     def capacity(self) -> tuple[int, str] | None:
         """How many requests can hold a connection at once, and the setting that
-        decides it; ``None`` when the pool has no fixed size."""
+        decides it; ``None`` when that is not known (a pool of no fixed size, or an
+        engine given with ``engine=``, whose ``max_overflow`` SQLAlchemy does not say)."""
         pool: Any = self.engine.pool
-        if isinstance(pool, NullPool) or not callable(getattr(pool, "size", None)):
+        size = getattr(pool, "size", None)
+        if isinstance(pool, NullPool) or not callable(size) or self._max_overflow is None:
             return None
         if self.owned:
-            return int(pool.size()), 'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]'
-        # (SQLAlchemy does not say a pool's max_overflow: its pool_size is the floor.)
-        return int(pool.size()), "the engine's pool_size (plus its max_overflow)"
+            return int(size()), 'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]'
+        return int(size()) + self._max_overflow, "the engine's pool_size + max_overflow"
 
     # -- the lease keeper's connection -------------------------------------------
 

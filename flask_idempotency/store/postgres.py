@@ -74,12 +74,14 @@ class PostgresStore(Maintenance):
         )
 
     @classmethod
-    def from_settings(cls, settings: Any, engine: Engine | None = None) -> PostgresStore:
+    def from_settings(
+        cls, settings: Any, engine: Engine | None = None, *, max_overflow: int | None = None
+    ) -> PostgresStore:
         """The store ``settings`` describe, on ``engine`` when one is given (the
-        application's: ``db=`` or ``engine=``), else on one built from
-        ``IDEMPOTENCY_DATABASE_URL``."""
+        application's: ``db=`` or ``engine=``; ``max_overflow`` its pool's, when
+        known), else on one built from ``IDEMPOTENCY_DATABASE_URL``."""
         if engine is not None:
-            pool = EnginePool(engine)
+            pool = EnginePool(engine, max_overflow=max_overflow)
         else:
             built = build_engine(
                 settings.database_url,

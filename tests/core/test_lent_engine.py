@@ -110,3 +110,29 @@ def test_the_application_can_take_every_connection_of_its_engine(
     with ThreadPoolExecutor(2) as pool:
         statuses = list(pool.map(lambda n: post(app, f"concurrent-{n}").status_code, range(2)))
     assert statuses == [201] * 2
+
+
+def test_the_pool_capacity_is_said_only_when_known(make_lent_app: MakeApp, clean_db: str) -> None:
+    """SQLAlchemy's pools do not say their max_overflow: with engine= the capacity is
+    unknown (no warning built on a guess); with Flask-SQLAlchemy it is read from
+    SQLALCHEMY_ENGINE_OPTIONS (SQLAlchemy's default overflow when unset)."""
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_idempotency import Idempotency
+
+    lent = make_lent_app()
+    assert lent.extensions["idempotency"].store.pool.capacity() is None
+
+    url = clean_db.replace("postgresql://", "postgresql+psycopg2://", 1)
+    for options, expected in (({"pool_size": 3, "max_overflow": 7}, 10), ({"pool_size": 3}, 13)):
+        app = Flask(__name__)
+        app.config.update(SQLALCHEMY_DATABASE_URI=url, SQLALCHEMY_ENGINE_OPTIONS=options)
+        db = SQLAlchemy(app)
+        Idempotency(app, db=db)
+        try:
+            capacity = app.extensions["idempotency"].store.pool.capacity()
+            assert capacity == (expected, "the engine's pool_size + max_overflow")
+        finally:
+            app.extensions["idempotency"].close()
+            with app.app_context():
+                db.engine.dispose()
