@@ -675,8 +675,10 @@ def test_unlock_evicts_the_key(make_pay_app: MakeApp, r: redis.Redis[bytes]) -> 
     # A copy that should not be there (say, left by an older deployment).
     redis_cache(app).put(key, b"f" * 32, StoredResponse(201, (), b"stale"), 60)
     result = app.test_cli_runner().invoke(
-        # The claim's lease is live: off a terminal, unlock needs --yes (issue 28).
-        args=["idempotency", "unlock", "stuck", "--authorization", "Bearer a", "--yes"]
+        # The claim's lease is live: off a terminal, unlock needs --yes. The client's
+        # secret comes from the environment, never the command line.
+        args=["idempotency", "unlock", "stuck", "--authorization", "--yes"],
+        env={"IDEMPOTENCY_CLIENT_AUTHORIZATION": "Bearer a"},
     )
     assert result.exit_code == 0, result.output
     assert r.exists(redis_cache(app).key(key)) == 0
