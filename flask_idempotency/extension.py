@@ -160,6 +160,8 @@ class Idempotency:
                 )
         else:
             _check_schema(store)
+        if not _loaded_by_a_flask_command():
+            state.cache.prepare()
 
     # -- decorators ---------------------------------------------------------
 
@@ -314,10 +316,16 @@ def _check_schema(store: PostgresStore | MemoryStore) -> None:
     schema gets made, and an ERROR before them would name the very command
     being run. ``flask run`` and ``flask shell`` load it from their own command.
     """
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None and isinstance(ctx.command, FlaskGroup):
+    if _loaded_by_a_flask_command():
         return
     try:
         store.check_schema_at_start()
     except StoreUnavailableError as exc:
         log.warning("idempotency: schema not checked at start, PostgreSQL failed (%s)", exc)
+
+
+def _loaded_by_a_flask_command() -> bool:
+    """Whether the ``flask`` command is loading the app to find one of its commands
+    (``flask idempotency migrate``...), not to serve it."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and isinstance(ctx.command, FlaskGroup)

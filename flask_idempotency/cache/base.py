@@ -35,6 +35,12 @@ class ResponseCache(Protocol):
         never needs it: a failing cache is a miss)."""
         ...
 
+    def prepare(self) -> None:
+        """Read now what the cache needs from PostgreSQL (the database's identity),
+        while it answers: a worker whose first request comes during a PostgreSQL
+        outage can then still replay from Redis. Best effort, never raises."""
+        ...
+
 
 class NullCache:
     """No cache: every request goes to PostgreSQL."""
@@ -51,6 +57,9 @@ class NullCache:
         return None
 
     def ping(self) -> None:
+        return None
+
+    def prepare(self) -> None:
         return None
 
     def close(self) -> None:

@@ -161,6 +161,9 @@ class RedisCache:
             raise RuntimeError("the database's identity is not known yet")
         return self._key(ring, record_key)
 
+    def prepare(self) -> None:
+        self.keyring.get()  # (a failure is logged, and tried again later)
+
     def _key(self, ring: Keyring, record_key: bytes) -> str:
         return f"{self.prefix}:{ring.namespace}:{{{record_key.hex()}}}"
 
