@@ -73,6 +73,17 @@ class Joined:
     #: The attempt's transaction as SQLAlchemy's connection knows it: the session
     #: sees a connection already in a transaction, so it only ever makes savepoints.
     outer: RootTransaction
+    #: The attempt's handle: the server's transaction opens (``BEGIN``) when the
+    #: session first begins one, so a view that never uses it pays nothing for it.
+    attempt: PostgresRequest
+
+    def open(self) -> None:
+        """The attempt's transaction, opened if it is not yet (a ``503`` if
+        PostgreSQL cannot be reached)."""
+        try:
+            self.attempt.connection()
+        except StoreUnavailableError as exc:
+            raise StoreUnavailable() from exc
 
 
 class SessionJoin:
@@ -111,20 +122,21 @@ class SessionJoin:
 
     def join(self, ctx: RequestState) -> None:
         """Make ``db.session`` work on ``ctx``'s transaction until the attempt ends:
-        the transaction is opened now (``BEGIN``), and the session's next transaction
-        begins with a savepoint in it."""
+        the session's next transaction opens the attempt's (``BEGIN``) if it is not
+        open yet, and begins with a savepoint in it."""
         tx: PostgresRequest = ctx.tx  # type: ignore[assignment]  # (init_app refuses memory://)
         try:
-            raw = tx.connection()
+            raw = tx.held()  # (the claim's connection: nothing is sent)
         except StoreUnavailableError as exc:
             raise StoreUnavailable() from exc
         connection = self.pool.sqlalchemy_connection(raw)
         session = self.sessions()
         if session.in_transaction():
             session.rollback()  # (detach() ended it before the claim; a safety net)
-        # In autocommit mode this sends nothing: the BEGIN above opened the transaction.
+        # In autocommit mode this sends nothing: SQLAlchemy's view of the attempt's
+        # transaction, which the server opens with the session's first one.
         outer = connection.begin()
-        joined = Joined(session, connection, outer)
+        joined = Joined(session, connection, outer, tx)
         session.info[JOINED] = joined
         ctx.session = joined
 
@@ -171,6 +183,7 @@ def _hand_connection(session: Session, transaction: SessionTransaction) -> None:
         return  # (a nested transaction works on its parent's connection)
     joined: Joined | None = session.info.get(JOINED)
     if joined is not None:
+        joined.open()
         session.connection(bind_arguments={"bind": joined.connection})
         return
     ctx = request_state() if has_app_context() else None

@@ -148,6 +148,11 @@ class PostgresRequest(RequestHandle):
                 # the connection is sound and goes back to the pool with the request.
                 raise answered("claim", exc) from exc
 
+    def held(self) -> Connection:
+        """This request's connection (taken from the pool if it has none yet),
+        whatever its transaction state; nothing is sent."""
+        return self._acquire()
+
     def _drop(self, *, peers: bool = True) -> None:
         """Give back a connection that failed: it is not reused, nor (when the
         database looks unreachable) are its idle peers."""
