@@ -334,11 +334,15 @@ class EnginePool:
     def discard_idle(self) -> None:
         """After an outage the idle connections are as dead as the one that failed:
         the engine starts a new pool (``Engine.dispose(close=False)``), so later
-        checkouts connect afresh. The old pool is left to the requests already
-        waiting on it, which take the connections given back to it (closing its idle
-        ones here would take those from under them, and they would wait out the
-        pool's timeout); its connections are closed as it is garbage-collected."""
+        checkouts connect afresh, and the old one's idle connections are closed now
+        (``Pool.dispose()``) when none of its connections is lent. While some are,
+        requests may be waiting on it for the ones given back, and closing those
+        would leave them waiting out the pool's timeout: it is then left to them,
+        its connections closed as it is garbage-collected."""
+        old: Any = self.engine.pool
         self.engine.dispose(close=False)
+        if callable(getattr(old, "checkedout", None)) and old.checkedout() == 0:
+            old.dispose()
 
     def capacity(self) -> tuple[int, str] | None:
         """How many requests can hold a connection at once, and the setting that
