@@ -106,29 +106,22 @@ class Release:
 
     def flask(self, env: Mapping[str, str], *args: str) -> str:
         """``flask --app upgrade.app:create_app ARGS`` run with this release; its output."""
-        done = subprocess.run(
-            [sys.executable, "-m", "flask", "--app", FLASK_APP, *args],
-            env=self.environ(env),
-            cwd=self.root,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=CLI_TIMEOUT,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"{self.name} release: flask {' '.join(args)} exited {done.returncode}:\n"
-                f"{done.stdout}\n{done.stderr}"
-            )
+        done = self._run([sys.executable, "-m", "flask", "--app", FLASK_APP, *args], env, "")
         return done.stdout + done.stderr
 
     def python(self, code: str, stdin: str) -> str:
         """Run ``code`` in a Python of this release (for the previous one's own
         functions, frozen in git); its standard output."""
+        return self._run([sys.executable, "-c", code], {}, stdin).stdout
+
+    def _run(
+        self, command: list[str], env: Mapping[str, str], stdin: str
+    ) -> subprocess.CompletedProcess[str]:
+        """``command`` in this release's tree and environment; ``RuntimeError`` with
+        its output if it fails."""
         done = subprocess.run(
-            [sys.executable, "-c", code],
-            env=self.environ({}),
+            command,
+            env=self.environ(env),
             cwd=self.root,
             input=stdin,
             capture_output=True,
@@ -138,9 +131,10 @@ class Release:
         )
         if done.returncode != 0:
             raise RuntimeError(
-                f"{self.name} release: python exited {done.returncode}:\n{done.stderr}"
+                f"{self.name} release: {' '.join(command[1:3])} exited {done.returncode}:\n"
+                f"{done.stdout}\n{done.stderr}"
             )
-        return done.stdout
+        return done
 
 
 class Server:
