@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 4
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: venv test test-transaction-mode test-minimal test-fast test-reliability test-topologies lint run bench docs clean distclean
+.PHONY: venv test test-transaction-mode test-minimal test-fast test-reliability test-topologies lint run bench docs reference clean distclean
 
 venv: $(STAMP)
 
@@ -142,14 +142,24 @@ $(VENV)/.bench-peers: benchmarks/requirements-peers.txt
 # cross-reference must resolve (-n, nitpicky); then the link check, on internal
 # links only (conf.py ignores http(s) URLs: CI has no business failing on a
 # third party's site; links into this repository are checked by docs/_ext).
-# Sphinx and the theme are the `docs` extra, installed here, not by `make venv`.
-# The snippets on these pages are run by the tests (tests/docs), not by this target.
+# It installs the `docs` extra only (Sphinx, the theme, what autodoc imports), not
+# the development toolchain. docs/_ext also fails the build when the committed CLI
+# or configuration reference is stale (`make reference` rewrites them from the
+# code), and when a built page shows a raw directive, a dash for `--` or a
+# swallowed `<TAG>`. The snippets on these pages are run by tests/docs.
+DOCS_STAMP  := $(VENV)/.installed-docs
 SPHINXBUILD := $(VENV)/bin/sphinx-build -W --keep-going -n -q
-docs: venv $(VENV)/.docs-deps
+docs: $(DOCS_STAMP)
 	$(SPHINXBUILD) -b html docs docs/_build/html
 	$(SPHINXBUILD) -b linkcheck docs docs/_build/linkcheck
 
-$(VENV)/.docs-deps: pyproject.toml
+# docs/cli.md and docs/configuration.md's settings, written from the click commands
+# and settings.py's comments (committed: they read the same on GitHub).
+reference: $(DOCS_STAMP)
+	$(PY) docs/_ext/reference.py
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON3) -m venv $(VENV)
 	$(PY) -m pip install -e '.[docs]'
 	touch $@
 

@@ -17,12 +17,14 @@ version = ".".join(release.split(".")[:2])
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
-    "sphinx_click",
     "pallets_sphinx_themes",
     "idempotency_docs",
 ]
-source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build"]
+# `--dry-run` stays two hyphens and quotes stay straight: what a reader copies from
+# prose must work in a shell (docutils' "smart" punctuation would make `--` a dash).
+smartquotes = False
 # Markdown pages: ``{confval}`` and ``{doc}`` roles, ``:::`` fences for notes, and
 # anchors for headings so pages can link to each other's sections.
 myst_enable_extensions = ["colon_fence", "deflist"]

@@ -43,7 +43,8 @@ class Settings:
     #: development, never production (one process only; see the testing page).
     database_url: str | None = None
     #: ``IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]``: connections per process; each in-flight
-    #: request holds one.
+    #: request holds one. With ``db=`` (or ``engine=``) the engine's own pool serves
+    #: instead: its ``pool_size + max_overflow``.
     pool_size: int = 10
     #: ``IDEMPOTENCY_DATABASE_OPTIONS["pool_timeout"]``: seconds to wait for a free connection
     #: before a 503.
