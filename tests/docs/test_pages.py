@@ -33,3 +33,22 @@ def test_alembic_page_names_every_table_of_the_schema() -> None:
     intro = text.split("\n## ", 1)[0]
     named = set(re.findall(r"`(idempotency_\w+)`", intro))
     assert named == set(TABLES), (sorted(TABLES - named), sorted(named - TABLES))
+
+
+def test_testing_page_quotes_the_error_of_a_url_beside_db() -> None:
+    """The testing page says IDEMPOTENCY_DATABASE_URL raises with db=, quoting the error."""
+    import pytest
+    from flask import Flask
+    from flask_sqlalchemy import SQLAlchemy
+
+    from flask_idempotency import Idempotency
+
+    text = (DOCS / "testing.md").read_text(encoding="utf-8")
+    quoted = re.search(r'raises `ValueError` \("([^"]+)"\)', text)
+    assert quoted is not None
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = "postgresql://localhost/unused"
+    app.config["IDEMPOTENCY_DATABASE_URL"] = "postgresql://localhost/unused"
+    db = SQLAlchemy(app)
+    with pytest.raises(ValueError, match=re.escape(" ".join(quoted.group(1).split()))):
+        Idempotency(app, db=db)

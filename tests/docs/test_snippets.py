@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import re
 import secrets
+import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +28,8 @@ DOCS = ROOT / "docs"
 #: ``test_every_block_is_run_or_illustrative``.
 #: docs/testing.md's unit tests on memory://, run as a reader would.
 MEMORY_SECTION = "Unit tests without PostgreSQL: `memory://`"
+#: docs/testing.md's conftest for a `db=db` app, run against tests/docs/fsa_app/yourapp.py.
+FSA_SECTION = "A Flask-SQLAlchemy app"
 
 COVERED: dict[Path, tuple[str, ...]] = {
     ROOT / "README.md": ("Quickstart",),
@@ -32,7 +37,7 @@ COVERED: dict[Path, tuple[str, ...]] = {
     DOCS / "events.md": (),
     DOCS / "observability.md": (),
     DOCS / "deployment.md": ("Health checks",),
-    DOCS / "testing.md": (MEMORY_SECTION,),
+    DOCS / "testing.md": (MEMORY_SECTION, FSA_SECTION),
 }
 
 
@@ -237,6 +242,57 @@ def test_unit_tests_on_memory(tmp_path: Path, page_env: dict[str, str]) -> None:
     finally:
         page.stop()
     assert "1 passed" in page.results[-1].output
+
+
+#: The app's Alembic history: one revision, as `flask db migrate` would write it.
+CHARGES_REVISION = '''"""charges"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade():
+    op.create_table(
+        "charges",
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("amount", sa.Integer, nullable=False),
+        sa.Column("currency", sa.String(3), nullable=False),
+    )
+
+
+def downgrade():
+    op.drop_table("charges")
+'''
+
+
+def test_testing_a_flask_sqlalchemy_app(
+    tmp_path: Path, page_env: dict[str, str], database_url: str, fresh_database_url: str
+) -> None:
+    """The page's conftest and test, verbatim, on a real Flask-SQLAlchemy + Flask-Migrate
+    app: the template gets the app's Alembic tables, each test a copy, and
+    assert_idempotent (with the atomicity drill) passes through db.session."""
+    shutil.copy(Path(__file__).parent / "fsa_app" / "yourapp.py", tmp_path / "yourapp.py")
+    page = make_page(DOCS / "testing.md", tmp_path, page_env)
+    # The plugin's databases on the run's server; `flask db init` needs the app's URL.
+    page.env |= {"IDEMPOTENCY_TEST_DSN": database_url, "DATABASE_URL": fresh_database_url}
+    subprocess.run(
+        [sys.executable, "-m", "flask", "--app", "yourapp", "db", "init"],
+        cwd=tmp_path,
+        env=page.env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    (tmp_path / "migrations" / "versions" / "0001_charges.py").write_text(CHARGES_REVISION)
+    try:
+        page.run(FSA_SECTION)
+    finally:
+        page.stop()
+    assert "1 passed" in page.results[-1].output, page.results[-1].output
 
 
 def test_health_check(tmp_path: Path, page_env: dict[str, str]) -> None:
