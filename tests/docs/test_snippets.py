@@ -35,6 +35,7 @@ COVERED: dict[Path, tuple[str, ...]] = {
     ROOT / "README.md": ("Quickstart",),
     DOCS / "quickstart.md": ("With Flask-SQLAlchemy", "With a psycopg2 connection", "Try it"),
     DOCS / "events.md": (),
+    DOCS / "celery.md": ("A first idempotent task",),
     DOCS / "observability.md": (),
     DOCS / "deployment.md": ("Health checks",),
     DOCS / "testing.md": (MEMORY_SECTION, FSA_SECTION),
@@ -177,6 +178,46 @@ def test_events_end_to_end_through_rabbitmq(
     finally:
         page.stop()
         _delete_broker_names(amqp_url, prefix)
+
+
+def test_celery_task_through_db_session_runs_once(
+    tmp_path: Path,
+    page_env: dict[str, str],
+    fresh_database_url: str,
+    amqp_url: str,
+    redis_url: str,
+) -> None:
+    """The page's worker and three publishes of one call: three equal results, one
+    receipt written through db.session, on a queue of the test's own."""
+    queue = "docs-" + secrets.token_hex(4)
+    page_env |= {
+        "amqp://guest:guest@localhost:5672//": amqp_url,
+        "redis://localhost:6379/1": redis_url,
+        '"payments-tasks"': f'"{queue}"',
+    }
+    page = make_page(DOCS / "celery.md", tmp_path, page_env)
+    try:
+        page.run("A first idempotent task")
+    finally:
+        page.stop()
+        _delete_queue(amqp_url, queue)
+    printed = page.output_of("tasks.demo()").strip().splitlines()[-1]
+    expected = {"charge": "ch_1", "amount": 1500}
+    assert printed == repr([expected] * 3), printed
+    assert count(fresh_database_url, "receipts") == 1
+    assert count(fresh_database_url, "idempotency_records") == 1
+    worker_log = page.logs()
+    assert "Traceback" not in worker_log, worker_log
+
+
+def _delete_queue(url: str, queue: str) -> None:
+    import kombu
+
+    with kombu.Connection(url, connect_timeout=5) as conn:
+        try:
+            conn.channel().queue_delete(queue)
+        except Exception:  # never declared, or already gone
+            pass
 
 
 def _block(page: Page, contains: str) -> Block:
