@@ -107,6 +107,39 @@ def test_the_app_is_loaded_in_the_master_and_forked_without_at_fork_hooks(
     assert len(app.worker_pids()) == WORKERS
 
 
+def test_metrics_add_up_across_workers(uwsgi_stack: Stack, api_key: str, run_id: str) -> None:
+    """uwsgi.ini's multiprocess directory: every scrape, whichever worker answers it,
+    counts every worker's charges. As many slow charges at once as the workers have
+    threads, so that every worker serves some."""
+    stack = uwsgi_stack
+    calls = [
+        charge_call(api_key, f"uwsgi-metrics-{run_id}{i}", charge_body(300, f"{run_id}m{i}"))
+        for i in range(WORKERS * THREADS)
+    ]
+    stack.control(latency_seconds=0.5)
+    connections = stack.connections(keep_alive=False)
+    try:
+        charged = run_all(connections, calls, threads=len(calls))
+        scrapes = run_all(connections, [Call("GET", "/metrics")] * 4 * WORKERS, threads=WORKERS)
+    finally:
+        connections.close()
+        stack.control(latency_seconds=0)
+    assert all(a.status == 201 for a in charged), status_counts(charged)
+    # Every stored answer of this stack's database was one "executed" request.
+    stored = stack.query("SELECT count(*) FROM idempotency_records WHERE state = 'completed'")
+    executed = re.compile(
+        r'^flask_idempotency_requests_total\{outcome="executed",route="/v1/charges",source=""\} '
+        r"(\S+)$",
+        re.MULTILINE,
+    )
+    for scrape in scrapes:
+        assert scrape.status == 200, scrape.describe()
+        found = executed.search(scrape.body.decode())
+        assert found, scrape.body.decode()[:2000]
+        assert float(found.group(1)) == stored[0][0], "a scrape shows some workers only"
+        assert b"flask_idempotency_metrics_multiprocess_misconfigured 0.0" in scrape.body
+
+
 #: Storm: keys sent by this many clients at once, a few keys per wave.
 KEYS = 60
 DUPLICATES = 12
