@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
+from support.gunicorn_server import REPO_ROOT
 from support.uwsgi_server import UWSGI_INI, UwsgiServer, uwsgi_command
 
 from .figures import Figures
@@ -105,6 +106,14 @@ def test_the_app_is_loaded_in_the_master_and_forked_without_at_fork_hooks(
     assert loaded, log[-2000:]
     assert int(loaded.group(1)) == app.master_pid, "the app was not loaded in the master"
     assert len(app.worker_pids()) == WORKERS
+
+
+def test_the_deployment_page_shows_this_ini() -> None:
+    """docs/deployment.md's uWSGI section shows the file these drills run, verbatim."""
+    page = (REPO_ROOT / "docs" / "deployment.md").read_text()
+    section = page.split("## Under uWSGI\n", 1)[1].split("\n## ", 1)[0]
+    shown = re.findall(r"^```ini\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
+    assert shown == [UWSGI_INI.read_text()]
 
 
 def test_metrics_add_up_across_workers(uwsgi_stack: Stack, api_key: str, run_id: str) -> None:
