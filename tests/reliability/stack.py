@@ -23,7 +23,7 @@ import secrets
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg2
@@ -33,6 +33,7 @@ from psycopg2 import sql
 from support.gunicorn_server import GunicornServer
 from support.http_client import http_request
 from support.tcp_proxy import TcpProxy
+from support.uwsgi_server import UwsgiServer
 
 from .load import Connections
 
@@ -56,6 +57,8 @@ class StackOptions:
     max_content_length: int = 64 * 1024
     #: Put a TcpProxy between the app and PostgreSQL (``Stack.pg_proxy``).
     pg_proxy: bool = False
+    #: The payments API under gunicorn (gunicorn.conf.py) or uWSGI (uwsgi.ini).
+    server: Literal["gunicorn", "uwsgi"] = "gunicorn"
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -94,16 +97,20 @@ class Stack:
             **options.extra_env,
         }
         self._app_env = env
-        self.app = GunicornServer(
-            "wsgi:app",
-            config=REPO_ROOT / "gunicorn.conf.py",
-            workers=options.workers,
-            worker_class="gthread",
-            threads=options.threads,
-            env=env,
-            health_path="/healthz",
-            startup_timeout=60.0,
-        )
+        self.app: GunicornServer | UwsgiServer
+        if options.server == "uwsgi":
+            self.app = UwsgiServer(env=env, workers=options.workers, threads=options.threads or 4)
+        else:
+            self.app = GunicornServer(
+                "wsgi:app",
+                config=REPO_ROOT / "gunicorn.conf.py",
+                workers=options.workers,
+                worker_class="gthread",
+                threads=options.threads,
+                env=env,
+                health_path="/healthz",
+                startup_timeout=60.0,
+            )
 
     # -- life cycle -------------------------------------------------------------
 

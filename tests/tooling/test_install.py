@@ -367,10 +367,15 @@ def test_wheel_holds_the_library_only(dists: Dists) -> None:
         f"{DIST_NAME}/{path.relative_to(package).as_posix()}"
         for path in package.rglob("*")
         if "__pycache__" not in path.parts
-        and (path.suffix == ".py" or (path.parent.name == "schema" and path.suffix == ".sql"))
+        and (
+            path.suffix == ".py"
+            or (path.parent.name == "schema" and path.suffix == ".sql")
+            or path.parent.name == "rules"  # observability/rules: Prometheus rules, dashboard
+        )
     }
     assert any(name.endswith(".sql") for name in shipped)
-    assert sorted(shipped - names) == [], "modules or schema files missing from the wheel"
+    assert any(name.endswith(".rules.yml") for name in shipped)
+    assert sorted(shipped - names) == [], "modules, schema or rules files missing from the wheel"
     assert f"{DIST_NAME}/py.typed" in names
     assert f"{dist_info}licenses/LICENSE" in names
 
