@@ -113,10 +113,9 @@ def purge(dry_run: bool, batch_size: int, yes: bool, progress_interval: float) -
         events = outbox.count_expired(state.store)
     except StoreUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
-    if dry_run:
+    if dry_run:  # both counts, even 0: what the purge would delete, rows of each table
         click.echo(f"{records} expired record(s) would be deleted")
-        if events:
-            click.echo(f"{events} published event(s) would be deleted")
+        click.echo(f"{events} published event(s) would be deleted")
         return
     if records or events:
         confirm(
@@ -168,7 +167,7 @@ Examples:
 @json_option
 def stats(as_json: bool) -> None:
     """Table-wide figures: records by state, expired rows awaiting purge, stuck leases,
-    abandoned records and what ``recover`` made of them."""
+    abandoned records and what recover made of them."""
     state = command_state()
     try:
         figures = state.store.stats()
