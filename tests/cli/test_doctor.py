@@ -97,8 +97,8 @@ def test_a_check_that_raises_is_a_fail_line_and_the_others_still_run(
 
     # The package, not the click command of the same name in flask_idempotency.cli.
     package = importlib.import_module("flask_idempotency.cli.doctor")
-    replaced = tuple((n, broken if n == "clock" else f) for n, f in package.DATABASE_CHECKS)
-    monkeypatch.setattr(package, "DATABASE_CHECKS", replaced)
+    replaced = tuple((n, broken if n == "clock" else f, needs) for n, f, needs in package.CHECKS)
+    monkeypatch.setattr(package, "CHECKS", replaced)
     with app_on(clean_db) as app:
         migrated(app)
         code, output = doctor(app)
