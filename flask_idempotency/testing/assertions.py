@@ -28,6 +28,7 @@ show at most a short prefix of a body and never the idempotency key.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json as jsonlib
 import secrets
@@ -35,7 +36,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,7 +52,7 @@ PREVIEW_BYTES = 40
 _MISSING: Any = object()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Answer:
     """The final answer one duplicate got."""
 
@@ -75,7 +76,7 @@ class Answer:
         return self.status == 409 and self.header("Retry-After") is not None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class IdempotencyReport:
     """What ``assert_idempotent`` saw, once every check passed."""
 
@@ -114,10 +115,8 @@ def _send(
     try:
         conn.request(method, target, body=body, headers={**headers, "Connection": "close"})
         response = conn.getresponse()
-        received: dict[str, str] = {}
-        for name, value in response.getheaders():
-            lowered = name.lower()
-            received[lowered] = f"{received[lowered]}, {value}" if lowered in received else value
+        fields = response.msg  # case-insensitive; get_all() gives a repeated header's values
+        received = {name.lower(): ", ".join(fields.get_all(name, [])) for name in fields}
         return Answer(response.status, received, response.read())
     finally:
         conn.close()
@@ -128,7 +127,6 @@ def _send_until_final(
     method: str,
     headers: Mapping[str, str],
     body: bytes | None,
-    *,
     deadline: float,
     timeout: float,
     retry_in_progress: bool,
@@ -139,7 +137,7 @@ def _send_until_final(
     while True:
         answer = _send(url, method, headers, body, timeout)
         if not (retry_in_progress and answer.in_progress) or time.monotonic() >= deadline:
-            return Answer(answer.status, answer.headers, answer.body, retries)
+            return dataclasses.replace(answer, in_progress_retries=retries)
         retries += 1
         # Faster than Retry-After (whole seconds): a test wants the answer as soon as it exists.
         time.sleep(pause)
@@ -253,51 +251,33 @@ def assert_idempotent(
     sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
     body, parsed = _encode(json, data, sent_headers)
 
-    started_executions = executions() if executions is not None else None
+    started_executions = executions() if executions is not None else 0
     records_before = _record_snapshot(database_url) if database_url is not None else None
 
     deadline = time.monotonic() + timeout
     barrier = threading.Barrier(duplicates)
-    answers: list[Answer | None] = [None] * duplicates
-    failures: list[str | None] = [None] * duplicates
 
-    def duplicate(index: int) -> None:
-        try:
-            barrier.wait(timeout)
-            answers[index] = _send_until_final(
-                url,
-                method,
-                sent_headers,
-                body,
-                deadline=deadline,
-                timeout=timeout,
-                retry_in_progress=retry_in_progress,
-            )
-        except Exception as exc:  # reported below, with every other problem
-            failures[index] = f"{type(exc).__name__}: {exc}"
+    def duplicate() -> Answer:
+        barrier.wait(timeout)
+        return _send_until_final(
+            url, method, sent_headers, body, deadline, timeout, retry_in_progress
+        )
 
-    threads = [
-        threading.Thread(target=duplicate, args=(i,), name=f"assert_idempotent duplicate {i}")
-        for i in range(duplicates)
+    with ThreadPoolExecutor(duplicates, "assert_idempotent duplicate") as pool:
+        futures = [pool.submit(duplicate) for _ in range(duplicates)]
+    got = [f.result() for f in futures if f.exception() is None]
+    failed = [
+        f"#{i}: {type(e).__name__}: {e}" for i, f in enumerate(futures) if (e := f.exception())
     ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout + 5)
-
     problems: list[str] = []
-    failed = [f"#{i}: {f}" for i, f in enumerate(failures) if f is not None]
     if failed:
         problems.append(
             f"{len(failed)} of {duplicates} duplicates got no answer: " + "; ".join(failed[:3])
         )
-    got = [a for a in answers if a is not None]
     if not got:
         raise AssertionError("assert_idempotent: " + "\n  ".join(problems or ["no answers"]))
 
-    ran = None
-    if executions is not None and started_executions is not None:
-        ran = executions() - started_executions
+    ran = executions() - started_executions if executions is not None else None
     if ran is not None and ran != 1:
         problems.append(
             f"the view ran {_times(ran)} for {duplicates} identical requests (executions hook); "
@@ -368,20 +348,11 @@ def assert_idempotent(
 
     mismatch_status: int | None = None
     if check_mismatch:
-        if mismatched_json is not _MISSING:
-            other_headers = dict(sent_headers)
-            other_body, _ = _encode(mismatched_json, None, other_headers)
-        else:
-            other_headers = sent_headers
-            if mismatched_data is not None:
-                other_body = (
-                    mismatched_data.encode("utf-8")
-                    if isinstance(mismatched_data, str)
-                    else mismatched_data
-                )
-            else:
-                other_body = _mismatched(parsed, body)
-        before_probe = executions() if executions is not None else None
+        other_headers = dict(sent_headers)
+        other_body, _ = _encode(mismatched_json, mismatched_data, other_headers)
+        if mismatched_json is _MISSING and mismatched_data is None:
+            other_body = _mismatched(parsed, body)
+        before_probe = executions() if executions is not None else 0
         probe = _send(url, method, other_headers, other_body, timeout)
         mismatch_status = probe.status
         if probe.status != 422:
@@ -389,10 +360,9 @@ def assert_idempotent(
                 f"the same key with a different body answered {probe.status}, expected 422 "
                 f"(key reused); body: {preview(probe.body)}"
             )
-        if executions is not None and before_probe is not None:
-            probe_ran = executions() - before_probe
-            if probe_ran:
-                problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
+        probe_ran = executions() - before_probe if executions is not None else 0
+        if probe_ran:
+            problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
 
     if atomicity_drill:
         if executions is None:
