@@ -297,17 +297,10 @@ def doctor(
     and when the relay and the completer last ran. Exits 1 if a check fails.
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
-    options = Options(
-        gunicorn_config=gunicorn_config,
-        processor_timeout=processor_timeout,
-        stale_after=stale_after,
+    checks = diagnose(
+        command_state(), app, Options(gunicorn_config, processor_timeout, stale_after)
     )
-    checks = diagnose(command_state(), app, options)
     result = diagnosis_document(checks)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
-        for line in diagnosis_lines(checks):
-            click.echo(line)
+    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(diagnosis_lines(checks)))
     if not result["ok"]:
         raise click.exceptions.Exit(1)
