@@ -101,19 +101,29 @@ def _times(count: int) -> str:
     return "once" if count == 1 else f"{count} times"
 
 
-def _send(
-    url: str, method: str, headers: Mapping[str, str], body: bytes | None, timeout: float
-) -> Answer:
-    parts = urlsplit(url)
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """One request as sent (``dataclasses.replace`` makes the probes' variants)."""
+
+    url: str
+    method: str
+    headers: Mapping[str, str]
+    body: bytes | None
+    timeout: float
+
+
+def _send(request: _Request) -> Answer:
+    parts = urlsplit(request.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("assert_idempotent needs an http:// or https:// URL")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     conn_class = (
         http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     )
-    conn = conn_class(parts.hostname, parts.port, timeout=timeout)
+    conn = conn_class(parts.hostname, parts.port, timeout=request.timeout)
     try:
-        conn.request(method, target, body=body, headers={**headers, "Connection": "close"})
+        headers = {**request.headers, "Connection": "close"}
+        conn.request(request.method, target, body=request.body, headers=headers)
         response = conn.getresponse()
         fields = response.msg  # case-insensitive; get_all() gives a repeated header's values
         received = {name.lower(): ", ".join(fields.get_all(name, [])) for name in fields}
@@ -122,20 +132,12 @@ def _send(
         conn.close()
 
 
-def _send_until_final(
-    url: str,
-    method: str,
-    headers: Mapping[str, str],
-    body: bytes | None,
-    deadline: float,
-    timeout: float,
-    retry_in_progress: bool,
-) -> Answer:
+def _send_until_final(request: _Request, deadline: float, retry_in_progress: bool) -> Answer:
     """One duplicate: sent, and re-sent while it is answered ``409`` with ``Retry-After``."""
     retries = 0
     pause = 0.01
     while True:
-        answer = _send(url, method, headers, body, timeout)
+        answer = _send(request)
         if not (retry_in_progress and answer.in_progress) or time.monotonic() >= deadline:
             return dataclasses.replace(answer, in_progress_retries=retries)
         retries += 1
@@ -250,6 +252,7 @@ def assert_idempotent(
             key = key or given
     sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
     body, parsed = _encode(json, data, sent_headers)
+    sent = _Request(url, method, sent_headers, body, timeout)
 
     started_executions = executions() if executions is not None else 0
     records_before = _record_snapshot(database_url) if database_url is not None else None
@@ -259,9 +262,7 @@ def assert_idempotent(
 
     def duplicate() -> Answer:
         barrier.wait(timeout)
-        return _send_until_final(
-            url, method, sent_headers, body, deadline, timeout, retry_in_progress
-        )
+        return _send_until_final(sent, deadline, retry_in_progress)
 
     with ThreadPoolExecutor(duplicates, "assert_idempotent duplicate") as pool:
         futures = [pool.submit(duplicate) for _ in range(duplicates)]
@@ -353,7 +354,7 @@ def assert_idempotent(
         if mismatched_json is _MISSING and mismatched_data is None:
             other_body = _mismatched(parsed, body)
         before_probe = executions() if executions is not None else 0
-        probe = _send(url, method, other_headers, other_body, timeout)
+        probe = _send(dataclasses.replace(sent, headers=other_headers, body=other_body))
         mismatch_status = probe.status
         if probe.status != 422:
             problems.append(
@@ -367,9 +368,7 @@ def assert_idempotent(
     if atomicity_drill:
         if executions is None:
             raise ValueError("atomicity_drill needs executions= to see the view's writes")
-        problems.extend(
-            _atomicity_drill(url, method, sent_headers, key_header, body, executions, timeout)
-        )
+        problems.extend(_atomicity_drill(sent, key_header, executions))
 
     if problems:
         raise AssertionError(
@@ -387,21 +386,14 @@ def assert_idempotent(
     )
 
 
-def _atomicity_drill(
-    url: str,
-    method: str,
-    headers: Mapping[str, str],
-    key_header: str,
-    body: bytes | None,
-    executions: Callable[[], int],
-    timeout: float,
-) -> list[str]:
+def _atomicity_drill(sent: _Request, key_header: str, executions: Callable[[], int]) -> list[str]:
     """Fail one attempt after its view returned; check nothing of it was kept and
     that the retry runs the view once, then replays."""
-    drilled = dict(headers)
-    drilled[key_header] = f"assert-idempotent-drill-{secrets.token_hex(16)}"
+    key = f"assert-idempotent-drill-{secrets.token_hex(16)}"
+    drilled = dataclasses.replace(sent, headers={**sent.headers, key_header: key})
     before = executions()
-    failed = _send(url, method, {**drilled, DRILL_HEADER: DRILL_FAIL_AFTER_VIEW}, body, timeout)
+    failing = {**drilled.headers, DRILL_HEADER: DRILL_FAIL_AFTER_VIEW}
+    failed = _send(dataclasses.replace(drilled, headers=failing))
     if failed.status != DrillFailure.code or DrillFailure.error_code.encode() not in failed.body:
         return [
             f"the atomicity drill did not run (answered {failed.status}: "
@@ -415,14 +407,14 @@ def _atomicity_drill(
             "writes: they do not commit with the stored answer (write on "
             "idempotency.connection(), or give the extension your db: Idempotency(app, db=db))"
         )
-    retry = _send(url, method, drilled, body, timeout)
+    retry = _send(drilled)
     ran = executions() - before - survived
     if retry.replayed or ran != 1:
         problems.append(
             f"the retry after the failed attempt ran the view {_times(ran)} "
             f"({retry.status}, replayed={retry.replayed}); expected once"
         )
-    again = _send(url, method, drilled, body, timeout)
+    again = _send(drilled)
     if not again.replayed or executions() - before - survived != 1:
         problems.append("the request after the retry was not a replay of it")
     return problems
