@@ -28,6 +28,7 @@ show at most a short prefix of a body and never the idempotency key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json as jsonlib
@@ -191,18 +192,15 @@ def _record_snapshot(database_url: str) -> dict[bytes, str]:
         raise AssertionError(
             f"assert_idempotent could not connect to database_url: {exc}"
         ) from None
-    try:
-        with conn, conn.cursor() as cur:
-            try:
-                cur.execute("SELECT record_key, state FROM idempotency_records")
-            except psycopg2.errors.UndefinedTable:
-                raise AssertionError(
-                    "database_url has no idempotency_records table: pass the app's own "
-                    "(migrated) database"
-                ) from None
-            return {bytes(key): state for key, state in cur.fetchall()}
-    finally:
-        conn.close()
+    with contextlib.closing(conn), conn.cursor() as cur:
+        try:
+            cur.execute("SELECT record_key, state FROM idempotency_records")
+        except psycopg2.errors.UndefinedTable:
+            raise AssertionError(
+                "database_url has no idempotency_records table: pass the app's own "
+                "(migrated) database"
+            ) from None
+        return {bytes(key): state for key, state in cur.fetchall()}
 
 
 def assert_idempotent(
