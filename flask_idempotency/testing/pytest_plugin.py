@@ -30,6 +30,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -241,13 +242,5 @@ def idempotency_live_server() -> Iterator[Callable[[Flask], LiveServer]]:
     """
     from flask_idempotency.testing.live_server import LiveServer
 
-    servers: list[LiveServer] = []
-
-    def serve(app: Flask) -> LiveServer:
-        server = LiveServer(app)
-        servers.append(server)
-        return server.start()
-
-    yield serve
-    for server in reversed(servers):
-        server.stop()
+    with contextlib.ExitStack() as started:  # stops them, the last started first
+        yield lambda app: started.enter_context(LiveServer(app))
