@@ -200,13 +200,9 @@ def idempotency_database_template(
         return
     # On its process fixture's server: a copy of its template (with any postgresql_load).
     name = f"{databases.base_name()}_tmpl"
-    janitor = databases.janitor(server, name, getattr(server, "template_dbname", None))
-    janitor.init()
-    try:
+    with databases.janitor(server, name, getattr(server, "template_dbname", None)):
         databases.migrate(databases.dsn_for(server, name), extra_dirs)
         yield name
-    finally:
-        janitor.drop()
 
 
 @pytest.fixture(scope=_database_scope)
@@ -218,13 +214,10 @@ def idempotency_database(
 
     server = idempotency_postgresql
     name = databases.next_name(databases.base_name())
-    janitor = databases.janitor(server, name, idempotency_database_template)
-    janitor.init()
-    try:
+    # Its drop at the end also ends the connections the app's pool still holds.
+    with databases.janitor(server, name, idempotency_database_template):
         dsn = databases.dsn_for(server, name, dsn=request.config.stash[_dsn_key] or None)
         yield databases.IdempotencyDatabase(name=name, dsn=dsn)
-    finally:
-        janitor.drop()  # also ends the connections the app's pool still holds
 
 
 @pytest.fixture(scope=_database_scope)
