@@ -121,16 +121,15 @@ def _send(request: _Request) -> Answer:
     conn_class = (
         http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     )
-    conn = conn_class(parts.hostname, parts.port, timeout=request.timeout)
-    try:
-        headers = {**request.headers, "Connection": "close"}
+    headers = {**request.headers, "Connection": "close"}
+    with contextlib.closing(
+        conn_class(parts.hostname, parts.port, timeout=request.timeout)
+    ) as conn:
         conn.request(request.method, target, body=request.body, headers=headers)
         response = conn.getresponse()
         fields = response.msg  # case-insensitive; get_all() gives a repeated header's values
         received = {name.lower(): ", ".join(fields.get_all(name, [])) for name in fields}
         return Answer(response.status, received, response.read())
-    finally:
-        conn.close()
 
 
 def _send_until_final(request: _Request, deadline: float, retry_in_progress: bool) -> Answer:
