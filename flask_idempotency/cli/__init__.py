@@ -113,10 +113,9 @@ def purge(dry_run: bool, batch_size: int, yes: bool, progress_interval: float) -
         events = outbox.count_expired(state.store)
     except StoreUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
-    if dry_run:
+    if dry_run:  # both counts, even 0: what the purge would delete, rows of each table
         click.echo(f"{records} expired record(s) would be deleted")
-        if events:
-            click.echo(f"{events} published event(s) would be deleted")
+        click.echo(f"{events} published event(s) would be deleted")
         return
     if records or events:
         confirm(
@@ -168,7 +167,7 @@ Examples:
 @json_option
 def stats(as_json: bool) -> None:
     """Table-wide figures: records by state, expired rows awaiting purge, stuck leases,
-    abandoned records and what ``recover`` made of them."""
+    abandoned records and what recover made of them."""
     state = command_state()
     try:
         figures = state.store.stats()
@@ -298,17 +297,10 @@ def doctor(
     and when the relay and the completer last ran. Exits 1 if a check fails.
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
-    options = Options(
-        gunicorn_config=gunicorn_config,
-        processor_timeout=processor_timeout,
-        stale_after=stale_after,
+    checks = diagnose(
+        command_state(), app, Options(gunicorn_config, processor_timeout, stale_after)
     )
-    checks = diagnose(command_state(), app, options)
     result = diagnosis_document(checks)
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
-        for line in diagnosis_lines(checks):
-            click.echo(line)
+    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(diagnosis_lines(checks)))
     if not result["ok"]:
         raise click.exceptions.Exit(1)

@@ -10,21 +10,17 @@ the prose says ``-``.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 import click
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def json_option(func: F) -> F:
-    return click.option(
-        "--json",
-        "as_json",
-        is_flag=True,
-        help="Print one JSON document with the same fields instead of prose.",
-    )(func)
+json_option = click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document with the same fields instead of prose.",
+)
 
 
 def _prose(value: Any) -> str:

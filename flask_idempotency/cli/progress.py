@@ -16,13 +16,13 @@ terminal:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from types import TracebackType
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import click
 
@@ -31,28 +31,21 @@ import click
 #: logs a few dozen lines).
 DEFAULT_INTERVAL = 10.0
 
-F = TypeVar("F", bound=Callable[..., Any])
+#: ``--progress-interval``, shared by the long commands.
+interval_option = click.option(
+    "--progress-interval",
+    default=DEFAULT_INTERVAL,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="When standard error is not a terminal (cron, a log), print a progress line "
+    "this often; 0: after every batch.",
+)
 
 
-def interval_option(func: F) -> F:
-    """``--progress-interval``, shared by the long commands."""
-    return click.option(
-        "--progress-interval",
-        default=DEFAULT_INTERVAL,
-        show_default=True,
-        type=click.FloatRange(min=0),
-        metavar="SECONDS",
-        help="When standard error is not a terminal (cron, a log), print a progress line "
-        "this often; 0: after every batch.",
-    )(func)
-
-
-def _elapsed(seconds: float) -> str:
-    return str(timedelta(seconds=int(seconds)))
-
-
-class Progress:
-    """Counts work done (``advance``) and shows it; a context manager.
+class Progress(contextlib.ExitStack):
+    """Counts work done (``advance``) and shows it; a context manager (an
+    :class:`~contextlib.ExitStack` that closes the bar it opened).
 
     ``total`` is a count taken before the work starts: rows that expire (or
     events that arrive) meanwhile can carry ``done`` past it, and the bar then
@@ -68,6 +61,7 @@ class Progress:
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__()
         self.label = label
         self.total = total
         self.interval = interval
@@ -76,10 +70,9 @@ class Progress:
         self.done = 0
         self.started = clock()
         self._last_line = self.started
-        self.tty = self.stream.isatty()
         self._bar: Any = None
-        if self.tty:
-            self._bar = click.progressbar(
+        if self.stream.isatty():
+            bar = click.progressbar(
                 # An endless iterable without a length: click's bar for an unknown total.
                 iterable=None if total is not None else itertools.count(),
                 length=total,
@@ -88,20 +81,15 @@ class Progress:
                 show_pos=True,
                 show_percent=total is not None,
                 show_eta=total is not None,
-                item_show_func=lambda _: self._rate_and_elapsed(),
+                item_show_func=lambda _: "{:.0f}/s  {} elapsed".format(*self._rate()),
             )
+            self._bar = self.enter_context(bar)
 
-    @property
-    def elapsed(self) -> float:
-        return self.clock() - self.started
-
-    @property
-    def rate(self) -> float:
-        elapsed = self.elapsed
-        return self.done / elapsed if elapsed > 0 else 0.0
-
-    def _rate_and_elapsed(self) -> str:
-        return f"{self.rate:.0f}/s  {_elapsed(self.elapsed)} elapsed"
+    def _rate(self) -> tuple[float, str]:
+        """Done per second so far, and the time elapsed as ``h:mm:ss``."""
+        elapsed = self.clock() - self.started
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        return rate, str(timedelta(seconds=int(elapsed)))
 
     def line(self) -> str:
         """``label: done/total (pct), rate/s, h:mm:ss elapsed``."""
@@ -110,7 +98,8 @@ class Progress:
             position += f"/{max(self.total, self.done)}"
             if self.total:
                 position += f" ({min(100, 100 * self.done // self.total)}%)"
-        return f"{self.label}: {position}, {self.rate:.0f}/s, {_elapsed(self.elapsed)} elapsed"
+        rate, elapsed = self._rate()
+        return f"{self.label}: {position}, {rate:.0f}/s, {elapsed} elapsed"
 
     def advance(self, count: int) -> None:
         self.done += count
@@ -123,17 +112,3 @@ class Progress:
         if now - self._last_line >= self.interval:
             self._last_line = now
             click.echo(self.line(), file=self.stream)
-
-    def __enter__(self) -> Progress:
-        if self._bar is not None:
-            self._bar.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(exc_type, exc, tb)

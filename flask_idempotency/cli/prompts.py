@@ -14,18 +14,12 @@ there to answer. Elsewhere the command decides by what it is about to do:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import click
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def yes_option(func: F) -> F:
-    return click.option(
-        "--yes", "-y", "yes", is_flag=True, help="Do not ask for confirmation on a terminal."
-    )(func)
+yes_option = click.option(
+    "--yes", "-y", "yes", is_flag=True, help="Do not ask for confirmation on a terminal."
+)
 
 
 def interactive() -> bool:

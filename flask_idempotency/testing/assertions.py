@@ -28,6 +28,8 @@ show at most a short prefix of a body and never the idempotency key.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.client
 import json as jsonlib
 import secrets
@@ -35,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,7 +53,7 @@ PREVIEW_BYTES = 40
 _MISSING: Any = object()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Answer:
     """The final answer one duplicate got."""
 
@@ -75,7 +77,7 @@ class Answer:
         return self.status == 409 and self.header("Retry-After") is not None
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class IdempotencyReport:
     """What ``assert_idempotent`` saw, once every check passed."""
 
@@ -100,46 +102,44 @@ def _times(count: int) -> str:
     return "once" if count == 1 else f"{count} times"
 
 
-def _send(
-    url: str, method: str, headers: Mapping[str, str], body: bytes | None, timeout: float
-) -> Answer:
-    parts = urlsplit(url)
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """One request as sent (``dataclasses.replace`` makes the probes' variants)."""
+
+    url: str
+    method: str
+    headers: Mapping[str, str]
+    body: bytes | None
+    timeout: float
+
+
+def _send(request: _Request) -> Answer:
+    parts = urlsplit(request.url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("assert_idempotent needs an http:// or https:// URL")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     conn_class = (
         http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     )
-    conn = conn_class(parts.hostname, parts.port, timeout=timeout)
-    try:
-        conn.request(method, target, body=body, headers={**headers, "Connection": "close"})
+    headers = {**request.headers, "Connection": "close"}
+    with contextlib.closing(
+        conn_class(parts.hostname, parts.port, timeout=request.timeout)
+    ) as conn:
+        conn.request(request.method, target, body=request.body, headers=headers)
         response = conn.getresponse()
-        received: dict[str, str] = {}
-        for name, value in response.getheaders():
-            lowered = name.lower()
-            received[lowered] = f"{received[lowered]}, {value}" if lowered in received else value
+        fields = response.msg  # case-insensitive; get_all() gives a repeated header's values
+        received = {name.lower(): ", ".join(fields.get_all(name, [])) for name in fields}
         return Answer(response.status, received, response.read())
-    finally:
-        conn.close()
 
 
-def _send_until_final(
-    url: str,
-    method: str,
-    headers: Mapping[str, str],
-    body: bytes | None,
-    *,
-    deadline: float,
-    timeout: float,
-    retry_in_progress: bool,
-) -> Answer:
+def _send_until_final(request: _Request, deadline: float, retry_in_progress: bool) -> Answer:
     """One duplicate: sent, and re-sent while it is answered ``409`` with ``Retry-After``."""
     retries = 0
     pause = 0.01
     while True:
-        answer = _send(url, method, headers, body, timeout)
+        answer = _send(request)
         if not (retry_in_progress and answer.in_progress) or time.monotonic() >= deadline:
-            return Answer(answer.status, answer.headers, answer.body, retries)
+            return dataclasses.replace(answer, in_progress_retries=retries)
         retries += 1
         # Faster than Retry-After (whole seconds): a test wants the answer as soon as it exists.
         time.sleep(pause)
@@ -191,18 +191,15 @@ def _record_snapshot(database_url: str) -> dict[bytes, str]:
         raise AssertionError(
             f"assert_idempotent could not connect to database_url: {exc}"
         ) from None
-    try:
-        with conn, conn.cursor() as cur:
-            try:
-                cur.execute("SELECT record_key, state FROM idempotency_records")
-            except psycopg2.errors.UndefinedTable:
-                raise AssertionError(
-                    "database_url has no idempotency_records table: pass the app's own "
-                    "(migrated) database"
-                ) from None
-            return {bytes(key): state for key, state in cur.fetchall()}
-    finally:
-        conn.close()
+    with contextlib.closing(conn), conn.cursor() as cur:
+        try:
+            cur.execute("SELECT record_key, state FROM idempotency_records")
+        except psycopg2.errors.UndefinedTable:
+            raise AssertionError(
+                "database_url has no idempotency_records table: pass the app's own "
+                "(migrated) database"
+            ) from None
+        return {bytes(key): state for key, state in cur.fetchall()}
 
 
 def assert_idempotent(
@@ -252,52 +249,33 @@ def assert_idempotent(
             key = key or given
     sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
     body, parsed = _encode(json, data, sent_headers)
+    sent = _Request(url, method, sent_headers, body, timeout)
 
-    started_executions = executions() if executions is not None else None
+    started_executions = executions() if executions is not None else 0
     records_before = _record_snapshot(database_url) if database_url is not None else None
 
     deadline = time.monotonic() + timeout
     barrier = threading.Barrier(duplicates)
-    answers: list[Answer | None] = [None] * duplicates
-    failures: list[str | None] = [None] * duplicates
 
-    def duplicate(index: int) -> None:
-        try:
-            barrier.wait(timeout)
-            answers[index] = _send_until_final(
-                url,
-                method,
-                sent_headers,
-                body,
-                deadline=deadline,
-                timeout=timeout,
-                retry_in_progress=retry_in_progress,
-            )
-        except Exception as exc:  # reported below, with every other problem
-            failures[index] = f"{type(exc).__name__}: {exc}"
+    def duplicate() -> Answer:
+        barrier.wait(timeout)
+        return _send_until_final(sent, deadline, retry_in_progress)
 
-    threads = [
-        threading.Thread(target=duplicate, args=(i,), name=f"assert_idempotent duplicate {i}")
-        for i in range(duplicates)
+    with ThreadPoolExecutor(duplicates, "assert_idempotent duplicate") as pool:
+        futures = [pool.submit(duplicate) for _ in range(duplicates)]
+    got = [f.result() for f in futures if f.exception() is None]
+    failed = [
+        f"#{i}: {type(e).__name__}: {e}" for i, f in enumerate(futures) if (e := f.exception())
     ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout + 5)
-
     problems: list[str] = []
-    failed = [f"#{i}: {f}" for i, f in enumerate(failures) if f is not None]
     if failed:
         problems.append(
             f"{len(failed)} of {duplicates} duplicates got no answer: " + "; ".join(failed[:3])
         )
-    got = [a for a in answers if a is not None]
     if not got:
         raise AssertionError("assert_idempotent: " + "\n  ".join(problems or ["no answers"]))
 
-    ran = None
-    if executions is not None and started_executions is not None:
-        ran = executions() - started_executions
+    ran = executions() - started_executions if executions is not None else None
     if ran is not None and ran != 1:
         problems.append(
             f"the view ran {_times(ran)} for {duplicates} identical requests (executions hook); "
@@ -368,38 +346,26 @@ def assert_idempotent(
 
     mismatch_status: int | None = None
     if check_mismatch:
-        if mismatched_json is not _MISSING:
-            other_headers = dict(sent_headers)
-            other_body, _ = _encode(mismatched_json, None, other_headers)
-        else:
-            other_headers = sent_headers
-            if mismatched_data is not None:
-                other_body = (
-                    mismatched_data.encode("utf-8")
-                    if isinstance(mismatched_data, str)
-                    else mismatched_data
-                )
-            else:
-                other_body = _mismatched(parsed, body)
-        before_probe = executions() if executions is not None else None
-        probe = _send(url, method, other_headers, other_body, timeout)
+        other_headers = dict(sent_headers)
+        other_body, _ = _encode(mismatched_json, mismatched_data, other_headers)
+        if mismatched_json is _MISSING and mismatched_data is None:
+            other_body = _mismatched(parsed, body)
+        before_probe = executions() if executions is not None else 0
+        probe = _send(dataclasses.replace(sent, headers=other_headers, body=other_body))
         mismatch_status = probe.status
         if probe.status != 422:
             problems.append(
                 f"the same key with a different body answered {probe.status}, expected 422 "
                 f"(key reused); body: {preview(probe.body)}"
             )
-        if executions is not None and before_probe is not None:
-            probe_ran = executions() - before_probe
-            if probe_ran:
-                problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
+        probe_ran = executions() - before_probe if executions is not None else 0
+        if probe_ran:
+            problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
 
     if atomicity_drill:
         if executions is None:
             raise ValueError("atomicity_drill needs executions= to see the view's writes")
-        problems.extend(
-            _atomicity_drill(url, method, sent_headers, key_header, body, executions, timeout)
-        )
+        problems.extend(_atomicity_drill(sent, key_header, executions))
 
     if problems:
         raise AssertionError(
@@ -417,21 +383,14 @@ def assert_idempotent(
     )
 
 
-def _atomicity_drill(
-    url: str,
-    method: str,
-    headers: Mapping[str, str],
-    key_header: str,
-    body: bytes | None,
-    executions: Callable[[], int],
-    timeout: float,
-) -> list[str]:
+def _atomicity_drill(sent: _Request, key_header: str, executions: Callable[[], int]) -> list[str]:
     """Fail one attempt after its view returned; check nothing of it was kept and
     that the retry runs the view once, then replays."""
-    drilled = dict(headers)
-    drilled[key_header] = f"assert-idempotent-drill-{secrets.token_hex(16)}"
+    key = f"assert-idempotent-drill-{secrets.token_hex(16)}"
+    drilled = dataclasses.replace(sent, headers={**sent.headers, key_header: key})
     before = executions()
-    failed = _send(url, method, {**drilled, DRILL_HEADER: DRILL_FAIL_AFTER_VIEW}, body, timeout)
+    failing = {**drilled.headers, DRILL_HEADER: DRILL_FAIL_AFTER_VIEW}
+    failed = _send(dataclasses.replace(drilled, headers=failing))
     if failed.status != DrillFailure.code or DrillFailure.error_code.encode() not in failed.body:
         return [
             f"the atomicity drill did not run (answered {failed.status}: "
@@ -445,14 +404,14 @@ def _atomicity_drill(
             "writes: they do not commit with the stored answer (write on "
             "idempotency.connection(), or give the extension your db: Idempotency(app, db=db))"
         )
-    retry = _send(url, method, drilled, body, timeout)
+    retry = _send(drilled)
     ran = executions() - before - survived
     if retry.replayed or ran != 1:
         problems.append(
             f"the retry after the failed attempt ran the view {_times(ran)} "
             f"({retry.status}, replayed={retry.replayed}); expected once"
         )
-    again = _send(url, method, drilled, body, timeout)
+    again = _send(drilled)
     if not again.replayed or executions() - before - survived != 1:
         problems.append("the request after the retry was not a replay of it")
     return problems

@@ -12,6 +12,7 @@ this module is imported.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
@@ -103,11 +104,8 @@ def migrate(dsn: str, extra_dirs: Sequence[str] = ()) -> list[str]:
 
     from flask_idempotency.store import migrations
 
-    conn = psycopg2.connect(dsn)
-    try:
+    with contextlib.closing(psycopg2.connect(dsn)) as conn:
         return migrations.apply(conn, migrations.all_migrations(list(extra_dirs)))
-    finally:
-        conn.close()
 
 
 def janitor(server: Any, dbname: str, template: str | None = None) -> Any:
@@ -147,15 +145,9 @@ class IdempotencyDatabase:
 
     def records(self) -> list[tuple[str, int | None]]:
         """``(state, status_code)`` of every idempotency record, oldest first."""
-        conn = self.connect()
-        try:
-            with conn, conn.cursor() as cur:
-                cur.execute(
-                    "SELECT state, status_code FROM idempotency_records ORDER BY created_at"
-                )
-                return [(str(state), status) for state, status in cur.fetchall()]
-        finally:
-            conn.close()
+        with contextlib.closing(self.connect()) as conn, conn.cursor() as cur:
+            cur.execute("SELECT state, status_code FROM idempotency_records ORDER BY created_at")
+            return [(str(state), status) for state, status in cur.fetchall()]
 
     def __repr__(self) -> str:
         return f"<IdempotencyDatabase {self.name}>"

@@ -10,9 +10,6 @@ without starting another process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -60,39 +57,32 @@ class LiveServer:
             def log_request(self, *args: Any, **kwargs: Any) -> None:
                 pass
 
-        server = make_server(
+        self._server = make_server(
             self.host, self._port, self.app, threaded=True, request_handler=QuietHandler
         )
-        thread = threading.Thread(
-            target=server.serve_forever,
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},
-            name=f"flask-idempotency live server :{server.server_port}",
+            name=f"flask-idempotency live server :{self.port}",
             daemon=True,
         )
-        thread.start()
-        self._server, self._thread = server, thread
+        self._thread.start()
         return self
 
     def stop(self) -> None:
         """Stop accepting requests and close the listening socket."""
-        server, thread = self._server, self._thread
-        self._server = self._thread = None
-        if server is None:
+        if self._server is None:
             return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(_JOIN_SECONDS)
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(_JOIN_SECONDS)
+        self._server = self._thread = None
 
     def __enter__(self) -> LiveServer:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def __repr__(self) -> str:
@@ -100,8 +90,7 @@ class LiveServer:
         return f"<LiveServer {self.app.name} {where}>"
 
 
-@contextmanager
-def serve_app(app: Flask, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[LiveServer]:
-    """``with serve_app(app) as server:`` the app answers at ``server.url`` until the block ends."""
-    with LiveServer(app, host=host, port=port) as server:
-        yield server
+def serve_app(app: Flask, *, host: str = "127.0.0.1", port: int = 0) -> LiveServer:
+    """``with serve_app(app) as server:`` the app answers at ``server.url`` until the
+    block ends (a :class:`LiveServer`, not started until the block begins)."""
+    return LiveServer(app, host=host, port=port)

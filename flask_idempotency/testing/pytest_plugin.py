@@ -30,6 +30,7 @@ Fixtures:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -199,13 +200,9 @@ def idempotency_database_template(
         return
     # On its process fixture's server: a copy of its template (with any postgresql_load).
     name = f"{databases.base_name()}_tmpl"
-    janitor = databases.janitor(server, name, getattr(server, "template_dbname", None))
-    janitor.init()
-    try:
+    with databases.janitor(server, name, getattr(server, "template_dbname", None)):
         databases.migrate(databases.dsn_for(server, name), extra_dirs)
         yield name
-    finally:
-        janitor.drop()
 
 
 @pytest.fixture(scope=_database_scope)
@@ -217,13 +214,10 @@ def idempotency_database(
 
     server = idempotency_postgresql
     name = databases.next_name(databases.base_name())
-    janitor = databases.janitor(server, name, idempotency_database_template)
-    janitor.init()
-    try:
+    # Its drop at the end also ends the connections the app's pool still holds.
+    with databases.janitor(server, name, idempotency_database_template):
         dsn = databases.dsn_for(server, name, dsn=request.config.stash[_dsn_key] or None)
         yield databases.IdempotencyDatabase(name=name, dsn=dsn)
-    finally:
-        janitor.drop()  # also ends the connections the app's pool still holds
 
 
 @pytest.fixture(scope=_database_scope)
@@ -241,13 +235,5 @@ def idempotency_live_server() -> Iterator[Callable[[Flask], LiveServer]]:
     """
     from flask_idempotency.testing.live_server import LiveServer
 
-    servers: list[LiveServer] = []
-
-    def serve(app: Flask) -> LiveServer:
-        server = LiveServer(app)
-        servers.append(server)
-        return server.start()
-
-    yield serve
-    for server in reversed(servers):
-        server.stop()
+    with contextlib.ExitStack() as started:  # stops them, the last started first
+        yield lambda app: started.enter_context(LiveServer(app))

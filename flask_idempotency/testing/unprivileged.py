@@ -21,7 +21,6 @@ import os
 import pwd
 import shlex
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -139,19 +138,19 @@ def is_script(path: str) -> bool:
 
 def can_run(path: Path, runs_as: Account) -> bool:
     """Whether ``runs_as`` (with no supplementary groups, as the wrapper runs it) may
-    run ``path``: the execute bit that applies to it on the file and every directory
-    above it."""
-    for part in (path, *path.parents):
-        mode = part.stat()
-        if mode.st_uid == runs_as.uid:
-            bit = stat.S_IXUSR
-        elif mode.st_gid == runs_as.gid:
-            bit = stat.S_IXGRP
-        else:
-            bit = stat.S_IXOTH
-        if not mode.st_mode & bit:
-            return False
-    return True
+    run ``path``: asked of the system itself, by running ``path --version`` as it."""
+    try:
+        done = subprocess.run(
+            [str(path), "--version"],
+            user=runs_as.uid,
+            group=runs_as.gid,
+            extra_groups=[],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def wrapper_for(

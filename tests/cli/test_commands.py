@@ -247,3 +247,29 @@ def test_a_clients_secret_never_needs_the_command_line(example_app: Flask, clean
     assert shown.exit_code == 0 and '"amount":1500' in shown.output.replace(" ", "")
     help_text = run(example_app, "show", "--help").output
     assert "WARNING" in help_text and "standard input" in help_text
+
+
+def test_purge_dry_run_counts_records_and_events_as_purge_deletes_them(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """Issue 39: the dry run names both tables a purge deletes from, even at 0."""
+    app = make_app()
+    charge(app, "expired-key")
+    query(database_url, "UPDATE idempotency_records SET expires_at = now() - interval '1 minute'")
+    assert run(app, "purge", "--dry-run").output == (
+        "1 expired record(s) would be deleted\n0 published event(s) would be deleted\n"
+    )
+    query(
+        database_url,
+        "INSERT INTO idempotency_outbox (id, event_type, payload, published_at, expires_at)"
+        " SELECT 'evt_dry_' || i, 't', '{}', now(), now() - interval '1 s'"
+        " FROM generate_series(1, 3) AS i",
+    )
+    dry = run(app, "purge", "--dry-run")
+    assert (
+        dry.output
+        == "1 expired record(s) would be deleted\n3 published event(s) would be deleted\n"
+    )
+    assert query(database_url, "SELECT count(*) FROM idempotency_outbox") == [(3,)]
+    purged = run(app, "purge", "--yes")
+    assert purged.output == "1 expired record(s) deleted\n3 published event(s) deleted\n"

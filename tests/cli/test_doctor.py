@@ -46,6 +46,24 @@ def test_a_forgotten_migrate_is_named_with_its_command(fresh_database_url: str) 
             assert code == 0, output
 
 
+def test_before_migrate_the_checks_reading_our_tables_skip_instead_of_crashing(
+    fresh_database_url: str,
+) -> None:
+    """Issue 39: on a database without the schema, relay (and purge) crashed with
+    UndefinedTable; like autovacuum they now skip, and only the schema check fails."""
+    with app_on(
+        fresh_database_url, IDEMPOTENCY_BROKER_URL="amqp://guest:guest@127.0.0.1:9//"
+    ) as app:
+        report = json.loads(doctor(app, "--json")[1])
+    found = {c["name"]: c for c in report["checks"]}
+    for name in ("relay", "purge"):
+        assert found[name]["status"] == "warn", found[name]
+        assert found[name]["detail"].startswith("skipped: the idempotency schema is not in place")
+        assert found[name]["fix"] == "flask idempotency migrate"
+    assert [c["name"] for c in report["checks"] if c["status"] == "fail"] == ["schema", "broker"]
+    assert not any("could not run" in c["detail"] for c in report["checks"])
+
+
 def test_unreachable_parts_fail_or_warn_and_the_checks_needing_postgresql_are_skipped(
     clean_db: str,
 ) -> None:
@@ -79,8 +97,8 @@ def test_a_check_that_raises_is_a_fail_line_and_the_others_still_run(
 
     # The package, not the click command of the same name in flask_idempotency.cli.
     package = importlib.import_module("flask_idempotency.cli.doctor")
-    replaced = tuple((n, broken if n == "clock" else f) for n, f in package.DATABASE_CHECKS)
-    monkeypatch.setattr(package, "DATABASE_CHECKS", replaced)
+    replaced = tuple((n, broken if n == "clock" else f, needs) for n, f, needs in package.CHECKS)
+    monkeypatch.setattr(package, "CHECKS", replaced)
     with app_on(clean_db) as app:
         migrated(app)
         code, output = doctor(app)

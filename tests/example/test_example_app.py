@@ -597,7 +597,10 @@ def test_cli_migrate_and_purge(build_app: BuildApp, clean_db: str) -> None:
         (keys.record_key(owner_of(TOKEN), "old"),),
     )
     dry = runner.invoke(args=["idempotency", "purge", "--dry-run"])
-    assert (dry.exit_code, dry.output.strip()) == (0, "1 expired record(s) would be deleted")
+    assert (dry.exit_code, dry.output.splitlines()) == (
+        0,
+        ["1 expired record(s) would be deleted", "0 published event(s) would be deleted"],
+    )
     purged = runner.invoke(args=["idempotency", "purge", "--batch-size", "1"])
     assert (purged.exit_code, purged.output.strip()) == (0, "1 expired record(s) deleted")
     assert post_charge(client, key="fresh").headers["Idempotent-Replayed"] == "true"

@@ -24,35 +24,44 @@ from typing import Any
 from flask import Flask
 
 from ...state import AppState
-from ...store.base import StoreUnavailableError
+from ...store import schema
+from ...store.base import SchemaMismatchError, StoreUnavailableError
 from . import database, routes, server, services, workers
-from .base import FAIL, OK, WARN, Check, Context, Options
+from .base import FAIL, OK, WARN, Check, Context, Options, fail, warn
 
-CheckFunc = Callable[[Context], Check]
+CheckFunc = Callable[[Context], "Check | None"]
 
-#: Checks that ask PostgreSQL, in the order they are shown.
-DATABASE_CHECKS: tuple[tuple[str, CheckFunc], ...] = (
-    ("schema", database.schema),
-    ("pgbouncer", database.pgbouncer),
-    ("session timeouts", database.session_timeouts),
-    ("autovacuum", database.autovacuum),
-    ("purge", database.purge),
-    ("clock", database.clock),
-)
-#: Checks of the configuration and the other services.
-OTHER_CHECKS: tuple[tuple[str, CheckFunc], ...] = (
-    ("pool", server.pool),
-    ("lease", routes.lease),
-    ("scope", routes.scope),
-    ("cache", services.cache),
-)
-LATER_CHECKS: tuple[tuple[str, CheckFunc], ...] = (
-    ("broker", services.broker),
-    ("prometheus", server.prometheus),
-)
-WORKER_CHECKS: tuple[tuple[str, CheckFunc], ...] = (
-    ("relay", workers.relay),
-    ("completer", workers.completer),
+
+def testing_drills(ctx: Context) -> Check | None:
+    if not ctx.state.settings.testing_drills:
+        return None
+    return warn(
+        "IDEMPOTENCY_TESTING_DRILLS is on: a request can ask to be failed",
+        "turn it off outside test configurations",
+    )
+
+
+#: Every check in the order shown: its name, its function, and the check that
+#: must have passed first (the checks that ask PostgreSQL are skipped when it
+#: does not answer; Redis' memory is read only from a Redis that answered).
+CHECKS: tuple[tuple[str, CheckFunc, str | None], ...] = (
+    ("database", database.database, None),
+    ("schema", database.schema, "database"),
+    ("pgbouncer", database.pgbouncer, "database"),
+    ("session timeouts", database.session_timeouts, "database"),
+    ("autovacuum", database.autovacuum, "database"),
+    ("purge", database.purge, "database"),
+    ("clock", database.clock, "database"),
+    ("pool", server.pool, None),
+    ("lease", routes.lease, None),
+    ("scope", routes.scope, None),
+    ("cache", services.cache, None),
+    ("redis memory", services.redis_memory, "cache"),
+    ("broker", services.broker, None),
+    ("prometheus", server.prometheus, None),
+    ("relay", workers.relay, "database"),
+    ("completer", workers.completer, "database"),
+    ("testing drills", testing_drills, None),
 )
 
 
@@ -60,46 +69,46 @@ def diagnose(state: AppState, app: Flask, options: Options | None = None) -> lis
     """Every check, in order; one that cannot run (its part is down, or it broke)
     fails on its own line."""
     ctx = Context(app, state, options or Options())
+    done: dict[str, Check] = {}
     try:
-        checks = [run("database", database.database, ctx)]
-        database_up = checks[0].status == OK
-        if database_up:
-            checks += [run(name, check, ctx) for name, check in DATABASE_CHECKS]
-        checks += [run(name, check, ctx) for name, check in OTHER_CHECKS]
-        if services.configured(ctx) and checks[-1].status == OK:
-            checks.append(run("redis memory", services.redis_memory, ctx))
-        checks += [run(name, check, ctx) for name, check in LATER_CHECKS]
-        if database_up:
-            checks += [run(name, check, ctx) for name, check in WORKER_CHECKS]
-        if state.settings.testing_drills:
-            checks.append(
-                Check(
-                    "testing drills",
-                    WARN,
-                    "IDEMPOTENCY_TESTING_DRILLS is on: a request can ask to be failed",
-                    "turn it off outside test configurations",
-                )
-            )
-        return checks
+        for name, check, needs in CHECKS:
+            if needs is None or (needs in done and done[needs].status == OK):
+                result = run(name, check, ctx)
+                if result is not None:
+                    done[name] = result
+        return list(done.values())
     finally:
         ctx.close()
 
 
-def run(name: str, check: CheckFunc, ctx: Context) -> Check:
-    """``check(ctx)``, timed; whatever it raises becomes its ``fail`` line."""
+def run(name: str, check: CheckFunc, ctx: Context) -> Check | None:
+    """``check(ctx)``, named and timed; whatever it raises becomes its ``fail`` line."""
     started = time.monotonic()
     try:
         result = check(ctx)
-    except StoreUnavailableError as exc:
-        result = Check(name, FAIL, f"PostgreSQL did not answer: {exc}")
     except Exception as exc:
-        result = Check(
-            name,
-            FAIL,
-            f"the check could not run: {type(exc).__name__}: {exc}".strip(),
-            "fix what it names, or report it if it looks like the doctor's own bug",
+        result = _failed(exc)
+    if result is None:
+        return None
+    ms = round((time.monotonic() - started) * 1000, 1)
+    return dataclasses.replace(result, name=name, ms=ms)
+
+
+def _failed(exc: Exception) -> Check:
+    """The finding of a check that raised ``exc``. A table of ours that is missing
+    is the schema check's failure, not this check's: it is skipped, as the checks
+    are when PostgreSQL does not answer."""
+    if isinstance(exc, SchemaMismatchError) or schema.mismatch(exc) is not None:
+        return warn(
+            "skipped: the idempotency schema is not in place (see the schema check)",
+            "flask idempotency migrate",
         )
-    return dataclasses.replace(result, ms=round((time.monotonic() - started) * 1000, 1))
+    if isinstance(exc, StoreUnavailableError):
+        return fail(f"PostgreSQL did not answer: {exc}")
+    return fail(
+        f"the check could not run: {type(exc).__name__}: {exc}".strip(),
+        "fix what it names, or report it if it looks like the doctor's own bug",
+    )
 
 
 def document(checks: list[Check]) -> dict[str, Any]:

@@ -1,8 +1,10 @@
 """What every check of ``flask idempotency doctor`` shares: its result, its inputs.
 
-A check is a function of a :class:`Context` that returns one :class:`Check`.
-The runner (``__init__.py``) times each and turns whatever one raises into a
-``fail`` line of its own, so a check that breaks never hides the others.
+A check is a function of a :class:`Context` that returns its finding, made with
+:func:`ok`, :func:`warn` or :func:`fail` (or ``None``: nothing to say). The
+runner (``__init__.py``) names it after its row of the table of checks, times
+it, and turns whatever one raises into a ``fail`` line of its own, so a check
+that breaks never hides the others.
 """
 
 from __future__ import annotations
@@ -89,8 +91,27 @@ class Context:
                 pass
 
 
-def worst(statuses: list[str]) -> str:
-    return max(statuses, key=SEVERITY.__getitem__, default=OK)
+def ok(detail: str) -> Check:
+    """A finding; the runner gives it the check's name."""
+    return Check("", OK, detail)
+
+
+def warn(detail: str, fix: str | None = None) -> Check:
+    return Check("", WARN, detail, fix)
+
+
+def fail(detail: str, fix: str | None = None) -> Check:
+    return Check("", FAIL, detail, fix)
+
+
+def worst(findings: list[Check], otherwise: Check) -> Check:
+    """Several findings as one: the worst status, the details of the findings at
+    that status joined, the first one's fix; ``otherwise`` when there are none."""
+    if not findings:
+        return otherwise
+    status = max((f.status for f in findings), key=SEVERITY.__getitem__)
+    shown = [f for f in findings if f.status == status]
+    return Check("", status, "; ".join(f.detail for f in shown), shown[0].fix)
 
 
 def seconds(value: float) -> str:
@@ -99,7 +120,6 @@ def seconds(value: float) -> str:
 
 
 def ping(
-    name: str,
     server: str,
     call: Callable[[], object],
     *,
@@ -118,6 +138,5 @@ def ping(
     try:
         call()
     except errors as exc:
-        return Check(name, status, f"{server} does not answer{reason(exc)}", fix)
-    ms = (time.monotonic() - started) * 1000
-    return Check(name, OK, f"{server} answers ({ms:.0f} ms)")
+        return Check("", status, f"{server} does not answer{reason(exc)}", fix)
+    return ok(f"{server} answers ({(time.monotonic() - started) * 1000:.0f} ms)")

@@ -9,6 +9,7 @@ what a new session of this role in this database starts with, before any
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ...store.base import StoreUnavailableError
@@ -20,8 +21,8 @@ from ...store.diagnostics import (
     SESSION_TIMEOUTS,
 )
 from ...store.schema import FIX
-from .base import FAIL, OK, WARN, Check, Context, ping, seconds
-from .routes import longest_lease, shortest_lease
+from .base import FAIL, WARN, Check, Context, fail, ok, ping, seconds, warn, worst
+from .routes import leases
 
 #: Dead rows over this share of the records table: autovacuum is behind its churn.
 DEAD_SHARE = 0.2
@@ -43,7 +44,6 @@ PURGE_LATE = 24 * 3600.0
 
 def database(ctx: Context) -> Check:
     return ping(
-        "database",
         "PostgreSQL",
         lambda: ctx.store.ping(),
         reason=lambda exc: f": {exc} (the checks that need it are skipped)",
@@ -57,16 +57,12 @@ def schema(ctx: Context) -> Check:
     try:
         missing = state.store.pending_migrations(state.settings.migration_dirs)
     except FileNotFoundError as exc:
-        return Check("schema", FAIL, str(exc), "fix IDEMPOTENCY_MIGRATION_DIRS")
+        return fail(str(exc), "fix IDEMPOTENCY_MIGRATION_DIRS")
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        return Check(
-            "schema",
-            FAIL,
-            f"{len(missing)} migration(s) not applied: {shown}",
-            FIX,  # the words of the ERROR that requests log (store/schema.py)
-        )
-    return Check("schema", OK, "every migration is applied")
+        # The fix is in the words of the ERROR that requests log (store/schema.py).
+        return fail(f"{len(missing)} migration(s) not applied: {shown}", FIX)
+    return ok("every migration is applied")
 
 
 # -- PgBouncer ---------------------------------------------------------------------
@@ -80,15 +76,13 @@ def pgbouncer(ctx: Context) -> Check:
         client_port = int(getattr(conn.info, "port", 0) or 0)
     server_port, dbname, _, version = ctx.store.read(SERVER_SIDE)[0]
     if not client_port or client_port == server_port:
-        return Check(
-            "pgbouncer", OK, f"connected straight to PostgreSQL {version} (port {server_port})"
-        )
+        return ok(f"connected straight to PostgreSQL {version} (port {server_port})")
     proxy = _ask_pgbouncer(ctx, dbname)
     where = f"port {client_port} forwards to PostgreSQL's port {server_port}"
     if proxy is None:
-        return Check("pgbouncer", OK, f"{where}: a pooler or a port mapping (its mode unknown)")
+        return ok(f"{where}: a pooler or a port mapping (its mode unknown)")
     name, mode = proxy
-    return Check("pgbouncer", OK, f"{name} in {mode or 'an unknown'} mode ({where})")
+    return ok(f"{name} in {mode or 'an unknown'} mode ({where})")
 
 
 def _ask_pgbouncer(ctx: Context, dbname: str) -> tuple[str, str | None] | None:
@@ -151,63 +145,55 @@ def session_timeouts(ctx: Context) -> Check:
     than the renewal interval closes the lease keeper's connection between two
     renewals (warn). The extension's own statements set theirs with ``SET LOCAL``.
     """
-    settings = ctx.state.settings
-    lease_ms = longest_lease(ctx) * 1000
+    lease_ms = max(leases(ctx)) * 1000
+    renew_ms = ctx.state.settings.renew_interval * 1000
     found = {row[0]: (int(row[1]), row[2]) for row in ctx.store.read(SESSION_TIMEOUTS)}
-    findings: list[tuple[str, str, str]] = []
-
-    def where(name: str) -> str:
-        source = found[name][1]
-        return f" (set by {source})" if source else ""
-
-    def fix(name: str, above_ms: float) -> str:
-        source = found[name][1] or "ALTER ROLE <the app's role>"
-        return f"{source.split(',')[0]} SET {name} = '{above_ms / 1000:g}s' (or RESET it)"
-
-    idle_tx = found.get("idle_in_transaction_session_timeout", (0, None))[0]
-    if 0 < idle_tx < lease_ms:
-        findings.append(
-            (
-                FAIL,
-                f"idle_in_transaction_session_timeout {idle_tx / 1000:g} s"
-                f"{where('idle_in_transaction_session_timeout')} "
-                f"is shorter than the lease ({lease_ms / 1000:g} s): a view waiting on its "
-                "processor inside its transaction is disconnected, its work lost",
-                fix("idle_in_transaction_session_timeout", lease_ms * 2),
+    lease = f"the lease ({lease_ms / 1000:g} s)"
+    #: (setting, status, too short below this many ms, what then, a value that fixes it)
+    rules = (
+        (
+            "idle_in_transaction_session_timeout",
+            FAIL,
+            lease_ms,
+            f"is shorter than {lease}: a view waiting on its processor inside its "
+            "transaction is disconnected, its work lost",
+            lease_ms * 2,
+        ),
+        (
+            "statement_timeout",
+            WARN,
+            lease_ms,
+            f"is shorter than {lease}: a view's statement is cancelled before its lease ends",
+            lease_ms,
+        ),
+        (
+            "idle_session_timeout",
+            WARN,
+            math.floor(renew_ms) + 1,  # whole ms: not longer than the interval
+            f"is not longer than the renewal interval ({renew_ms / 1000:g} s): the lease "
+            "keeper's connection is closed between renewals",
+            renew_ms * 3,
+        ),
+    )
+    findings = []
+    for name, status, below, consequence, fixed_at in rules:
+        value, source = found.get(name, (0, None))
+        if 0 < value < below:
+            where = f" (set by {source})" if source else ""
+            alter = (source or "ALTER ROLE <the app's role>").split(",")[0]
+            findings.append(
+                Check(
+                    "",
+                    status,
+                    f"{name} {value / 1000:g} s{where} {consequence}",
+                    f"{alter} SET {name} = '{fixed_at / 1000:g}s' (or RESET it)",
+                )
             )
-        )
-    statement = found.get("statement_timeout", (0, None))[0]
-    if 0 < statement < lease_ms:
-        findings.append(
-            (
-                WARN,
-                f"statement_timeout {statement / 1000:g} s{where('statement_timeout')} is "
-                f"shorter than the lease ({lease_ms / 1000:g} s): a view's statement is "
-                "cancelled before its lease ends",
-                fix("statement_timeout", lease_ms),
-            )
-        )
-    idle = found.get("idle_session_timeout", (0, None))[0]
-    renew_ms = settings.renew_interval * 1000
-    if 0 < idle <= renew_ms:
-        findings.append(
-            (
-                WARN,
-                f"idle_session_timeout {idle / 1000:g} s{where('idle_session_timeout')} is not "
-                f"longer than the renewal interval ({renew_ms / 1000:g} s): the lease keeper's "
-                "connection is closed between renewals",
-                fix("idle_session_timeout", renew_ms * 3),
-            )
-        )
-    if findings:
-        status = FAIL if any(f[0] == FAIL for f in findings) else WARN
-        shown = [f for f in findings if f[0] == status]
-        return Check("session timeouts", status, "; ".join(f[1] for f in shown), shown[0][2])
     values = ", ".join(
-        f"{name} {'off' if not found.get(name, (0,))[0] else seconds(found[name][0] / 1000)}"
+        f"{name} {seconds(found[name][0] / 1000) if found.get(name, (0,))[0] else 'off'}"
         for name in ("statement_timeout", "idle_in_transaction_session_timeout")
     )
-    return Check("session timeouts", OK, f"{values}: none ends a lease early")
+    return worst(findings, ok(f"{values}: none ends a lease early"))
 
 
 # -- autovacuum ----------------------------------------------------------------------
@@ -218,51 +204,39 @@ def autovacuum(ctx: Context) -> Check:
     records table churns, and its dead rows must be vacuumed away as fast."""
     rows = ctx.store.read(AUTOVACUUM)
     if not rows:
-        return Check(
-            "autovacuum", WARN, "no idempotency_records table yet", "flask idempotency migrate"
-        )
+        return warn("no idempotency_records table yet", "flask idempotency migrate")
     reloptions, live, dead, server_on, counts_on, scale, threshold, since = rows[0]
     options = dict(str(o).split("=", 1) for o in reloptions or ())
     scale = float(options.get("autovacuum_vacuum_scale_factor", scale))
     threshold = int(options.get("autovacuum_vacuum_threshold", threshold))
-    table_on = options.get("autovacuum_enabled", "true").lower() not in ("false", "off", "0")
-    if not (server_on and counts_on and table_on):
-        what = (
-            "autovacuum_enabled = false on idempotency_records"
-            if not table_on
-            else "autovacuum (or track_counts) is off on the server"
+    never = "the dead rows every request and purge leave are never vacuumed (the table and its "
+    never += "index bloat, claims slow down)"
+    if options.get("autovacuum_enabled", "true").lower() in ("false", "off", "0"):
+        return fail(
+            f"autovacuum_enabled = false on idempotency_records: {never}",
+            f"ALTER TABLE {RECORDS} RESET (autovacuum_enabled)",
         )
-        return Check(
-            "autovacuum",
-            FAIL,
-            f"{what}: the dead rows every request and purge leave are never vacuumed "
-            "(the table and its index bloat, claims slow down)",
-            f"ALTER TABLE {RECORDS} RESET (autovacuum_enabled)"
-            if not table_on
-            else "autovacuum = on and track_counts = on in postgresql.conf",
+    if not (server_on and counts_on):
+        return fail(
+            f"autovacuum (or track_counts) is off on the server: {never}",
+            "autovacuum = on and track_counts = on in postgresql.conf",
         )
     figures = f"{live} live, {dead} dead row(s)"
     last = f", last vacuumed {since:.0f} s ago" if since is not None else ""
     if dead > DEAD_MIN and dead > DEAD_SHARE * (live + dead):
-        return Check(
-            "autovacuum",
-            WARN,
+        return warn(
             f"{figures}{last}: autovacuum is behind the table's churn (trigger: "
             f"{threshold} + {scale:g} x live rows)",
             f"ALTER TABLE {RECORDS} SET (autovacuum_vacuum_scale_factor = 0.01, "
             "autovacuum_vacuum_threshold = 1000); look for long transactions holding back vacuum",
         )
     if live > LARGE_TABLE and scale > LARGE_SCALE_FACTOR:
-        return Check(
-            "autovacuum",
-            WARN,
+        return warn(
             f"{figures}: with autovacuum_vacuum_scale_factor {scale:g}, "
             f"{int(live * scale)} rows die before autovacuum comes",
             f"ALTER TABLE {RECORDS} SET (autovacuum_vacuum_scale_factor = 0.01)",
         )
-    return Check(
-        "autovacuum", OK, f"{figures}{last}; vacuumed after {threshold} + {scale:g} x live rows"
-    )
+    return ok(f"{figures}{last}; vacuumed after {threshold} + {scale:g} x live rows")
 
 
 # -- purge -------------------------------------------------------------------------
@@ -273,22 +247,18 @@ def purge(ctx: Context) -> Check:
     (headers and bodies, in plain text), until ``flask idempotency purge``
     deletes them: nothing else does, so it must be scheduled."""
     count, oldest = ctx.store.read(EXPIRED_RECORDS)[0]
-    if count and oldest > PURGE_LATE:
-        return Check(
-            "purge",
-            WARN,
+    if not count:
+        return ok("no expired record waits for purge (keep it scheduled)")
+    if oldest > PURGE_LATE:
+        return warn(
             f"{count} expired record(s) still hold stored answers, the oldest expired "
             f"{oldest / 3600:.0f} h ago: nothing deletes them but purge",
             "schedule `flask idempotency purge` (cron, a Kubernetes CronJob), hourly or daily",
         )
-    if count:
-        return Check(
-            "purge",
-            OK,
-            f"{count} expired record(s) await purge, the oldest expired {seconds(oldest)} ago "
-            "(keep `flask idempotency purge` scheduled)",
-        )
-    return Check("purge", OK, "no expired record waits for purge (keep it scheduled)")
+    return ok(
+        f"{count} expired record(s) await purge, the oldest expired {seconds(oldest)} ago "
+        "(keep `flask idempotency purge` scheduled)"
+    )
 
 
 # -- clocks ----------------------------------------------------------------------------
@@ -304,24 +274,13 @@ def clock(ctx: Context) -> Check:
     before = now()
     server = float(ctx.store.read(SERVER_CLOCK)[0][0])
     after = now()
-    skew = server - (before + after) / 2
-    rtt = after - before
-    figures = (
-        f"{abs(skew):.3f} s {'behind' if skew > 0 else 'ahead of'} PostgreSQL (± {rtt / 2:.3f} s)"
-    )
-    limit = shortest_lease(ctx) / 2
+    skew, rtt = server - (before + after) / 2, after - before
+    where = "behind" if skew > 0 else "ahead of"
+    figures = f"this machine is {abs(skew):.3f} s {where} PostgreSQL (± {rtt / 2:.3f} s)"
+    ntp = "run NTP (chrony, systemd-timesyncd) on the app's hosts and the database's"
+    limit = min(leases(ctx)) / 2
     if abs(skew) - rtt / 2 > limit:
-        return Check(
-            "clock",
-            FAIL,
-            f"this machine is {figures}: more than half the shortest lease ({limit:g} s)",
-            "run NTP (chrony, systemd-timesyncd) on the app's hosts and the database's",
-        )
+        return fail(f"{figures}: more than half the shortest lease ({limit:g} s)", ntp)
     if abs(skew) - rtt / 2 > SKEW_WARN:
-        return Check(
-            "clock",
-            WARN,
-            f"this machine is {figures}",
-            "run NTP (chrony, systemd-timesyncd) on the app's hosts and the database's",
-        )
-    return Check("clock", OK, f"this machine is {figures}")
+        return warn(figures, ntp)
+    return ok(figures)

@@ -17,12 +17,11 @@ from ...recovery import route_options_of
 from ...route_options import RouteOptions, check_against_settings
 from ...scopes import authorization_scope, default_scope, global_scope
 from ...store.sql import CLIENT_DEADLINE_GRACE
-from .base import FAIL, OK, WARN, Check, Context, seconds, worst
+from .base import Check, Context, fail, ok, seconds, warn, worst
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    endpoint: str
     #: ``POST /pay``: how the messages name it.
     label: str
     path: str
@@ -40,26 +39,17 @@ def idempotent_routes(ctx: Context) -> list[Route]:
             methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}) or ["GET"]
             path = rule.rule if not rule.arguments else "/"
             label = f"{'|'.join(methods)} {rule.rule}"
-            found.append(Route(rule.endpoint, label, path, methods[0], options))
+            found.append(Route(label, path, methods[0], options))
         return found
 
     routes: list[Route] = ctx.once("routes", find)
     return routes
 
 
-def longest_lease(ctx: Context) -> float:
-    """The longest lease any route runs with (the app's, or a route's own)."""
+def leases(ctx: Context) -> list[float]:
+    """The leases requests run with: the app's, and each route's own."""
     settings = ctx.state.settings
-    return max(
-        [settings.lease, *(r.options.effective(settings).lease for r in idempotent_routes(ctx))]
-    )
-
-
-def shortest_lease(ctx: Context) -> float:
-    settings = ctx.state.settings
-    return min(
-        [settings.lease, *(r.options.effective(settings).lease for r in idempotent_routes(ctx))]
-    )
+    return [settings.lease, *(r.options.effective(settings).lease for r in idempotent_routes(ctx))]
 
 
 def lease(ctx: Context) -> Check:
@@ -69,20 +59,19 @@ def lease(ctx: Context) -> Check:
     renew = settings.renew_interval
     deadline = settings.statement_timeout + CLIENT_DEADLINE_GRACE
     processor = ctx.options.processor_timeout
-    findings: list[tuple[str, str, str]] = []
+    findings: list[Check] = []
     scopes: list[tuple[str, float, float]] = [("the app", settings.lease, settings.ttl)]
     for route in idempotent_routes(ctx):
         try:
             effective = check_against_settings(route.options, settings)
         except ValueError as exc:
-            findings.append((FAIL, f"{route.label}: {exc}", "fix the route's lease= / ttl="))
+            findings.append(fail(f"{route.label}: {exc}", "fix the route's lease= / ttl="))
             continue
         scopes.append((route.label, effective.lease, effective.ttl))
     for where, lease_s, ttl in scopes:
         if renew > 0 and renew + deadline >= lease_s:
             findings.append(
-                (
-                    WARN,
+                warn(
                     f"{where}: lease {seconds(lease_s)} but a renewal may start "
                     f"{seconds(renew)} after the last and take {seconds(deadline)} (statement "
                     "timeout + 1 s): on a slow database the lease lapses between renewals",
@@ -91,8 +80,7 @@ def lease(ctx: Context) -> Check:
             )
         if processor is not None and renew == 0 and lease_s <= processor:
             findings.append(
-                (
-                    FAIL,
+                fail(
                     f"{where}: lease {seconds(lease_s)} is not renewed and a view may wait "
                     f"{seconds(processor)} on the processor: a retry takes the record over "
                     "while the first attempt still runs (the processor is called twice)",
@@ -101,29 +89,22 @@ def lease(ctx: Context) -> Check:
             )
         if processor is not None and ttl <= processor:
             findings.append(
-                (
-                    FAIL,
+                fail(
                     f"{where}: TTL {seconds(ttl)} is not longer than the processor timeout "
                     f"{seconds(processor)}: purge may delete a record whose view still runs",
                     f"raise the TTL well above {seconds(processor)}",
                 )
             )
-    if findings:
-        status = worst([f[0] for f in findings])
-        shown = [f for f in findings if f[0] == status]
-        detail = "; ".join(f[1] for f in shown)
-        return Check("lease", status, detail, shown[0][2])
     renewal = f"renewed every {seconds(renew)}" if renew > 0 else "never renewed"
-    routes = len(scopes) - 1
-    leases = sorted({s[1] for s in scopes})
-    spread = (
-        seconds(leases[0]) if len(leases) == 1 else f"{seconds(leases[0])} to {seconds(leases[-1])}"
-    )
+    shortest, longest = min(s[1] for s in scopes), max(s[1] for s in scopes)
+    spread = seconds(shortest) + (f" to {seconds(longest)}" if longest != shortest else "")
     processor_note = f", processor timeout {seconds(processor)}" if processor is not None else ""
-    return Check(
-        "lease",
-        OK,
-        f"lease {spread} ({renewal}) < TTL over the app and {routes} route(s){processor_note}",
+    return worst(
+        findings,
+        ok(
+            f"lease {spread} ({renewal}) < TTL over the app and {len(scopes) - 1} route(s)"
+            f"{processor_note}"
+        ),
     )
 
 
@@ -144,7 +125,7 @@ def scope(ctx: Context) -> Check:
     unknown: list[str] = []
     routes = idempotent_routes(ctx)
     # No decorated route yet (blueprints registered later?): judge the app's setting.
-    candidates = routes or [Route("", "IDEMPOTENCY_SCOPE_FUNC", "/", "POST", _APP_WIDE)]
+    candidates = routes or [Route("IDEMPOTENCY_SCOPE_FUNC", "/", "POST", _APP_WIDE)]
     for route in candidates:
         func = route.options.scope_func or settings.scope_func
         outcome = _anonymous_scope(ctx, route, func)
@@ -153,18 +134,14 @@ def scope(ctx: Context) -> Check:
         elif outcome is not None:
             (pooled_global if func is global_scope else pooled).append(route.label)
     if pooled:
-        return Check(
-            "scope",
-            FAIL,
+        return fail(
             f"a request without credentials gets a scope on {_some(pooled)}: callers "
             "who send none share one set of records and can be replayed each other's answers",
             "make the scope function return None when the request names no principal "
             "(docs: Scoping)",
         )
     if pooled_global:
-        return Check(
-            "scope",
-            WARN,
+        return warn(
             f"global_scope on {_some(pooled_global)}: every caller shares one scope, "
             "right only for an app with a single principal",
             "set IDEMPOTENCY_SCOPE_FUNC to one naming your principals (user_scope(...)) "
@@ -177,9 +154,7 @@ def scope(ctx: Context) -> Check:
     ]
     sessions = _browser_sessions(ctx.app)
     if on_authorization and sessions:
-        return Check(
-            "scope",
-            WARN,
+        return warn(
             f"the scope of {_some(on_authorization)} rests on the Authorization header in an "
             f"app with {sessions}: behind a gateway or proxy that sends one shared "
             "credential, every user is in one scope and can be replayed another's answer",
@@ -191,7 +166,7 @@ def scope(ctx: Context) -> Check:
     )
     if unknown:
         detail += f"; {len(unknown)} scope function(s) need more than headers to tell"
-    return Check("scope", OK, detail)
+    return ok(detail)
 
 
 def _browser_sessions(app: Any) -> str | None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .base import FAIL, OK, WARN, Check, Context
+from .base import Check, Context, fail, ok, warn
 
 #: What gunicorn reads when started without ``-c`` (gunicorn >= 19.7).
 DEFAULT_CONFIG = "gunicorn.conf.py"
@@ -123,34 +123,26 @@ def pool(ctx: Context) -> Check:
     """Each in-flight idempotent request holds a connection of its worker's pool."""
     capacity = ctx.store.pool.capacity()
     if capacity is None:
-        return Check(
-            "pool", OK, "the pool's size is the application's own (db= or IDEMPOTENCY_POOL)"
-        )
+        return ok("the pool's size is the application's own (db= or IDEMPOTENCY_POOL)")
     size, source = capacity
     server = gunicorn(ctx)
     if server is None:
-        return Check(
-            "pool",
-            OK,
+        return ok(
             f"{size} connection(s) per process ({source}); no gunicorn settings to compare "
-            "with (--gunicorn-config)",
+            "with (--gunicorn-config)"
         )
     concurrency, what = server.concurrency()
     if size < concurrency:
-        return Check(
-            "pool",
-            WARN,
+        return warn(
             f"{source} = {size} for {concurrency} {what} per worker ({server.source}): "
             "requests past the pool wait for a connection and answer 503 after the pool's "
             "timeout",
             f"set {source} to at least {concurrency} (plus one per idempotency.transaction() "
             "a view opens)",
         )
-    return Check(
-        "pool",
-        OK,
+    return ok(
         f"{size} connection(s) for {concurrency} {what} per worker, {server.workers} "
-        f"worker(s) ({server.source})",
+        f"worker(s) ({server.source})"
     )
 
 
@@ -158,54 +150,40 @@ def prometheus(ctx: Context) -> Check:
     """Several workers each count their own requests: without prometheus-client's
     multiprocess directory a scrape shows whichever worker answered it."""
     if "idempotency_prometheus" not in ctx.app.extensions:
-        return Check("prometheus", OK, "no PrometheusMetrics on this app")
+        return ok("no PrometheusMetrics on this app")
     server = gunicorn(ctx)
     if server is None or server.workers <= 1:
-        return Check("prometheus", OK, "one process: its registry holds every count")
-    directory = server.environ.get(MULTIPROC_ENV, "").strip()
-    from_hooks = any(module == "flask_idempotency.gunicorn" for module in server.hooks.values())
+        return ok("one process: its registry holds every count")
+    workers, directory = server.workers, server.environ.get(MULTIPROC_ENV, "").strip()
+    hooks = "flask_idempotency.gunicorn's hooks"
+    if not directory and "flask_idempotency.gunicorn" in server.hooks.values():
+        return ok(f"{workers} workers; the multiprocess directory is set up by {hooks}")
+    if not directory and "on_starting" in server.hooks:
+        return warn(
+            f"{workers} workers and {MULTIPROC_ENV} unset here; {server.source}'s "
+            "on_starting may set it: otherwise each scrape shows one worker's counts",
+            f"set {MULTIPROC_ENV} in the server's environment, or use {hooks}",
+        )
     if not directory:
-        if from_hooks:
-            return Check(
-                "prometheus",
-                OK,
-                f"{server.workers} workers; the multiprocess directory is set up by "
-                "flask_idempotency.gunicorn's hooks",
-            )
-        if "on_starting" in server.hooks:
-            return Check(
-                "prometheus",
-                WARN,
-                f"{server.workers} workers and {MULTIPROC_ENV} unset here; {server.source}'s "
-                "on_starting may set it: otherwise each scrape shows one worker's counts",
-                f"set {MULTIPROC_ENV} in the server's environment, or use "
-                "flask_idempotency.gunicorn's hooks",
-            )
-        return Check(
-            "prometheus",
-            FAIL,
-            f"{server.workers} workers and no {MULTIPROC_ENV}: each scrape shows the counts "
+        return fail(
+            f"{workers} workers and no {MULTIPROC_ENV}: each scrape shows the counts "
             "of whichever worker answered it",
             f"set {MULTIPROC_ENV} to an empty directory before gunicorn starts (or use "
-            "flask_idempotency.gunicorn's hooks in gunicorn.conf.py)",
+            f"{hooks} in gunicorn.conf.py)",
         )
     problem = _unwritable(directory)
     if problem:
-        return Check(
-            "prometheus",
-            FAIL,
+        return fail(
             f"{MULTIPROC_ENV}={directory} {problem}: workers cannot write their counts",
             f"create it, writable by the server's user, or point {MULTIPROC_ENV} elsewhere",
         )
     if "child_exit" not in server.hooks:
-        return Check(
-            "prometheus",
-            WARN,
+        return warn(
             f"{MULTIPROC_ENV}={directory}, but no child_exit hook: a dead worker's gauges "
             "stay in the sums",
             "call prometheus_client.multiprocess.mark_process_dead(worker.pid) in child_exit",
         )
-    return Check("prometheus", OK, f"{server.workers} workers share {MULTIPROC_ENV}={directory}")
+    return ok(f"{workers} workers share {MULTIPROC_ENV}={directory}")
 
 
 def _unwritable(directory: str) -> str | None:

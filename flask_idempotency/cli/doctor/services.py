@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...cache.keyring import secrets_from_config
-from .base import FAIL, OK, WARN, Check, Context, ping
+from .base import WARN, Check, Context, fail, ok, ping, warn
 
 #: Share of ``maxmemory`` in use above which a ``noeviction`` Redis refuses writes
 #: any minute now (and above which a ``volatile-*`` one may find nothing to evict).
@@ -29,13 +29,11 @@ def configured(ctx: Context) -> bool:
 
 def cache(ctx: Context) -> Check:
     if not configured(ctx):
-        return Check("cache", OK, "no Redis configured: PostgreSQL answers every replay")
+        return ok("no Redis configured: PostgreSQL answers every replay")
     if not secrets_from_config(ctx.app.config):
         # Redis is not trusted: without a secret to sign entries with, the cache is
         # off. Nothing breaks, which is why it must be said loudly here.
-        return Check(
-            "cache",
-            FAIL,
+        return fail(
             "Redis is configured but the app has no SECRET_KEY: the Redis cache is off "
             "(cached answers are signed with a key derived from it), PostgreSQL answers "
             "every replay",
@@ -43,7 +41,6 @@ def cache(ctx: Context) -> Check:
         )
     # Whatever redis-py raises is a warning: the cache fails open anyway.
     return ping(
-        "cache",
         "Redis",
         lambda: _client(ctx).ping(),
         reason=lambda exc: f" ({type(exc).__name__}); replays fall back to PostgreSQL",
@@ -73,46 +70,38 @@ def _client(ctx: Context) -> Any:
     return ctx.once("redis client", build)
 
 
-def redis_memory(ctx: Context) -> Check:
+def redis_memory(ctx: Context) -> Check | None:
     """``maxmemory-policy`` and the headroom under ``maxmemory``, from ``INFO memory``
     (which managed services answer even where ``CONFIG`` is renamed away)."""
+    if not configured(ctx):
+        return None
     info = _client(ctx).info("memory")
     policy = str(info.get("maxmemory_policy", "unknown"))
     used = int(info.get("used_memory", 0))
     limit = int(info.get("maxmemory", 0))
     if limit == 0:
-        return Check(
-            "redis memory",
-            OK,
-            f"no maxmemory ({_mib(used)} used): keys leave by their TTL only",
-        )
+        return ok(f"no maxmemory ({_mib(used)} used): keys leave by their TTL only")
     share = used / limit
     figures = f"{_mib(used)} of {_mib(limit)} ({share:.0%}), maxmemory-policy {policy}"
+    if policy == "noeviction" and share >= FULL_SHARE:
+        return fail(
+            f"{figures}: full, every SET is refused (OOM): the cache stops filling "
+            "and so does every other writer of this server",
+            "CONFIG SET maxmemory-policy volatile-lru (or allkeys-lru for a Redis "
+            "that is only a cache), or raise maxmemory",
+        )
     if policy == "noeviction":
-        if share >= FULL_SHARE:
-            return Check(
-                "redis memory",
-                FAIL,
-                f"{figures}: full, every SET is refused (OOM): the cache stops filling "
-                "and so does every other writer of this server",
-                "CONFIG SET maxmemory-policy volatile-lru (or allkeys-lru for a Redis "
-                "that is only a cache), or raise maxmemory",
-            )
-        return Check(
-            "redis memory",
-            WARN,
+        return warn(
             f"{figures}: once full, writes are refused instead of old keys evicted",
             "CONFIG SET maxmemory-policy volatile-lru (or allkeys-lru)",
         )
     if policy.startswith("volatile") and share >= FULL_SHARE:
-        return Check(
-            "redis memory",
-            WARN,
+        return warn(
             f"{figures}: full, and only keys with a TTL can be evicted; if keys without "
             "one fill it, writes are refused",
             "raise maxmemory, or give the other keys a TTL",
         )
-    return Check("redis memory", OK, f"{figures}: evicts when full, as a cache should")
+    return ok(f"{figures}: evicts when full, as a cache should")
 
 
 def _mib(size: int) -> str:
@@ -122,7 +111,7 @@ def _mib(size: int) -> str:
 def broker(ctx: Context) -> Check:
     url = ctx.state.settings.broker_url
     if not url:
-        return Check("broker", OK, "no broker configured (the relay needs one to publish)")
+        return ok("no broker configured (the relay needs one to publish)")
     from ...events.amqp import connect, redact  # the broker client, only when asked
 
     def reach() -> None:
@@ -130,7 +119,6 @@ def broker(ctx: Context) -> Check:
             connection.ensure_connection(max_retries=1)
 
     return ping(
-        "broker",
         redact(url),
         reach,
         reason=lambda exc: f" ({type(exc).__name__})",

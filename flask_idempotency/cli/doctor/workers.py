@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ...events import outbox
 from ...recovery import recoverable_routes
-from .base import OK, WARN, Check, Context
+from .base import Check, Context, ok, warn
 
 
 def _last_runs(ctx: Context) -> dict[str, tuple[float, str | None]]:
@@ -22,29 +22,22 @@ def _seen(ctx: Context, worker: str, needed_because: str, command: str) -> Check
     stale_after = ctx.options.stale_after
     last = _last_runs(ctx).get(worker)
     if last is None:
-        return Check(
-            worker,
-            WARN,
-            f"never seen, and {needed_because}",
-            f"run `{command}` (a service, or cron)",
-        )
+        return warn(f"never seen, and {needed_because}", f"run `{command}` (a service, or cron)")
     age, seen_on = last
     where = f" on {seen_on}" if seen_on else ""
     if age > stale_after:
-        return Check(
-            worker,
-            WARN,
+        return warn(
             f"last seen {age:.0f} s ago{where} (over {stale_after:g} s), and {needed_because}",
             f"check that `{command}` still runs",
         )
-    return Check(worker, OK, f"last seen {age:.0f} s ago{where}")
+    return ok(f"last seen {age:.0f} s ago{where}")
 
 
 def relay(ctx: Context) -> Check:
     counts = outbox.counts(ctx.store)
     pending = int(counts["pending"])
     if not ctx.state.settings.broker_url and not pending and not counts["published"]:
-        return Check("relay", OK, "no events in the outbox and no broker: not needed")
+        return ok("no events in the outbox and no broker: not needed")
     reason = (
         f"{pending} event(s) wait in the outbox (oldest {counts['oldest_pending_seconds']:.0f} s)"
         if pending
@@ -56,7 +49,7 @@ def relay(ctx: Context) -> Check:
 def completer(ctx: Context) -> Check:
     routes = recoverable_routes(ctx.app)
     if not routes or ctx.state.settings.claim_mode != "row":
-        return Check("completer", OK, "no route declares recover=: not needed")
+        return ok("no route declares recover=: not needed")
     return _seen(
         ctx,
         "completer",
