@@ -66,10 +66,11 @@ from typing import Any
 
 from flask import Flask, current_app, has_app_context
 
-from .events.amqp import DEFAULT_TIMEOUT, BrokerUnavailable, connect, redact
+from .events.amqp import DEFAULT_TIMEOUT, connect, redact
 from .events.consumer import ConsumerGuard
 from .events.messages import ConsumerOutcome, Delivery, Result, consumer_options
 from .events.outbox import OutboxEvent
+from .events.relay import BrokerUnavailable
 from .store.base import StoredResponse
 
 try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -33,7 +34,6 @@ from ..store.base import StoreUnavailableError
 from ..store.errors import store_failure
 from ..store.heartbeat import Heartbeat
 from . import outbox
-from .amqp import Backoff, BrokerUnavailable
 from .outbox import OutboxEvent
 
 log = logging.getLogger("flask_idempotency.events")
@@ -47,10 +47,35 @@ DEFER_BASE = 1.0
 DEFER_CAP = 300.0
 
 
+class BrokerUnavailable(Exception):
+    """The broker could not be reached, closed the connection, or refused the channel."""
+
+
 class EventPublisher(Protocol):
+    """The broker side of a relay (``amqp.Publisher``, ``celery.TaskPublisher``, the
+    embedded path's): ``publish`` answers whether the event was routed, or raises
+    :class:`BrokerUnavailable`."""
+
     def publish(self, event: OutboxEvent) -> bool: ...
 
     def close(self) -> None: ...
+
+
+class Backoff:
+    """Exponential backoff with jitter: ``initial``, doubling to ``maximum``."""
+
+    def __init__(self, initial: float = 0.2, maximum: float = 10.0) -> None:
+        self.initial = initial
+        self.maximum = maximum
+        self._next = initial
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self.maximum, self._next * 2)
+        return delay * random.uniform(0.8, 1.2)
 
 
 @dataclasses.dataclass
@@ -93,7 +118,7 @@ class Relay:
     def relay_batch(self) -> int:
         """Publish one batch; return how many rows it took (0: nothing pending).
 
-        Raises :class:`~flask_idempotency.events.amqp.BrokerUnavailable` or
+        Raises :class:`BrokerUnavailable` or
         ``StoreUnavailableError`` after committing what the broker did confirm
         (``SchemaMismatchError`` when the database has no outbox).
         """
