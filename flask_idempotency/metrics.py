@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from flask import Request, has_request_context, request
 from werkzeug.exceptions import HTTPException
@@ -251,59 +252,34 @@ def _completion_outcome(error: BaseException | None) -> str:
     return "error"
 
 
+def _passed_on(hook: str) -> Callable[..., None]:
+    """An :class:`Observer` hook that calls ``hook`` of every attached observer."""
+
+    def pass_on(self: _Fanout, *args: Any) -> None:
+        for observer in self.metrics.observers:
+            getattr(observer, hook)(*args)
+
+    return pass_on
+
+
 class _Fanout(Observer):
     """The pool's, the cache's and the keeper's observer: passes each call on."""
 
     def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
+        self.metrics = metrics
 
-    def leases_renewed(self, renewed: int) -> None:
-        for observer in self._metrics.observers:
-            observer.leases_renewed(renewed)
-
-    def lease_renewal_failed(self) -> None:
-        for observer in self._metrics.observers:
-            observer.lease_renewal_failed()
-
-    def cache_lookup(self, hit: bool) -> None:
-        for observer in self._metrics.observers:
-            observer.cache_lookup(hit)
-
-    def cache_rejected(self, reason: str) -> None:
-        for observer in self._metrics.observers:
-            observer.cache_rejected(reason)
-
-    def redis_failed(self, command: str) -> None:
-        for observer in self._metrics.observers:
-            observer.redis_failed(command)
-
-    def redis_skipped(self, command: str) -> None:
-        for observer in self._metrics.observers:
-            observer.redis_skipped(command)
-
-    def breaker_changed(self, state: str) -> None:
-        for observer in self._metrics.observers:
-            observer.breaker_changed(state)
-
-    def store_breaker_changed(self, state: str) -> None:
-        for observer in self._metrics.observers:
-            observer.store_breaker_changed(state)
-
-    def pool_checkout(self) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_checkout()
-
-    def pool_checkin(self) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_checkin()
-
-    def pool_waiting(self, delta: int) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_waiting(delta)
-
-    def pool_timeout(self) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_timeout()
+    leases_renewed = _passed_on("leases_renewed")
+    lease_renewal_failed = _passed_on("lease_renewal_failed")
+    cache_lookup = _passed_on("cache_lookup")
+    cache_rejected = _passed_on("cache_rejected")
+    redis_failed = _passed_on("redis_failed")
+    redis_skipped = _passed_on("redis_skipped")
+    breaker_changed = _passed_on("breaker_changed")
+    store_breaker_changed = _passed_on("store_breaker_changed")
+    pool_checkout = _passed_on("pool_checkout")
+    pool_checkin = _passed_on("pool_checkin")
+    pool_waiting = _passed_on("pool_waiting")
+    pool_timeout = _passed_on("pool_timeout")
 
 
 def _where(req: Request | None) -> tuple[str, str]:
@@ -325,10 +301,9 @@ def _event(
     status: int | None,
     error: BaseException | None,
 ) -> RequestEvent:
+    route, method = _where(ctx.request if ctx is not None else None)
     if ctx is None:
-        route, method = _where(None)
         return RequestEvent(outcome, route, method, status=status, error=_describe(error))
-    route, method = _where(ctx.request)
     return RequestEvent(
         outcome,
         route,
@@ -341,7 +316,7 @@ def _event(
         time.monotonic() - ctx.started if ctx.started else None,
         ctx.claim_seconds or None,
         ctx.completion_seconds,
-        _describe(error) if error is not None else None,
+        _describe(error),
         ctx.scope,
     )
 
