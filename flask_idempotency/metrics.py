@@ -32,34 +32,21 @@ from .observer import (
 from .request_log import BREAKER_REFUSAL_LEVEL, LEVELS, TAKEOVER_LEVEL, log, log_event
 from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
 
-#: Every counter, so a snapshot always has the same keys.
-NAMES = (
-    "executed",  # the view ran under a new claim (its outcome is counted below)
-    "completed",  # its answer was stored (outcome "executed")
-    "released",  # its answer was not stored (5xx, not-acted-on 4xx, exception)
-    "replayed_from_cache",
-    "replayed_from_store",
-    "in_progress",  # 409: a duplicate while the first was running
-    "key_reused",  # 422
-    "lease_lost",  # 409: our completion was fenced off after a takeover
-    "store_unavailable",  # 503: PostgreSQL failed, fail closed
-    "schema_missing",  # 500: the database has no idempotency schema (never migrated)
-    "schema_outdated",  # 500: a migration of this release is not applied
-    "not_storable",  # 500: answer too large to store under oversize="reject"
-    "takeovers",  # claims that took over a dead holder's record (also in "executed")
-    "invalid_key",  # 400
-    "missing_key",  # 400
-    "missing_scope",  # 400
-    "malformed_body",  # 400
-    "body_too_large",  # 413
-    "keyless",  # an optional route without a key: passed through
-    "safe_method",  # GET, HEAD, OPTIONS, TRACE: passed through
-)
-
-#: The snapshot counter of each outcome (a replay's depends on its source).
+#: The snapshot counter of each outcome (a replay's depends on its source): an
+#: executed request whose answer was stored is ``completed``.
 _COUNTER: dict[RequestOutcome, str] = {outcome: outcome.value for outcome in RequestOutcome}
 _COUNTER[RequestOutcome.EXECUTED] = "completed"
 _REPLAY_COUNTER = {"cache": "replayed_from_cache", "store": "replayed_from_store"}
+
+#: Every counter, so a snapshot always has the same keys: one per outcome, and
+#: ``executed`` (claims won: the view ran, and its outcome is counted too) and
+#: ``takeovers`` (those of them that took over a dead holder's record).
+NAMES = (
+    "executed",
+    "takeovers",
+    *_REPLAY_COUNTER.values(),
+    *(name for outcome, name in _COUNTER.items() if outcome is not RequestOutcome.REPLAYED),
+)
 
 #: The outcome of a request refused before anything was claimed, by error code.
 _REFUSALS = {

@@ -142,11 +142,11 @@ class Relay:
                     routed = self.publisher.publish(event)
                 except BrokerUnavailable as exc:
                     error = exc
-                    outbox.mark_attempted(conn, [e.id for e in events[index:]])
+                    outbox.mark(conn, outbox.MARK_ATTEMPTED, [e.id for e in events[index:]])
                     break
                 (published if routed else deferred).append(event.id)
-            outbox.mark_published(conn, published)
-            outbox.mark_deferred(conn, deferred, DEFER_BASE, DEFER_CAP)
+            outbox.mark(conn, outbox.MARK_PUBLISHED, published)
+            outbox.mark(conn, outbox.MARK_DEFERRED, deferred, base=DEFER_BASE, cap=DEFER_CAP)
         self.stats.batches += 1
         self.stats.published += len(published)
         self.stats.deferred += len(deferred)
