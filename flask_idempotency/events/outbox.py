@@ -186,13 +186,8 @@ class EmitScope:
         return eid
 
 
-@dataclasses.dataclass(frozen=True)
-class _Binding:
-    conn: Any
-    scope: EmitScope
-
-
-_bound: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar(
+#: The innermost ``transaction()`` block's connection and its scope.
+_bound: contextvars.ContextVar[tuple[Any, EmitScope] | None] = contextvars.ContextVar(
     "flask_idempotency_outbox", default=None
 )
 
@@ -200,7 +195,7 @@ _bound: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar(
 @contextmanager
 def bind(conn: Any, default_ttl: float) -> Iterator[None]:
     """Send ``emit()`` to ``conn`` for the block (``idempotency.transaction()``)."""
-    token = _bound.set(_Binding(conn, EmitScope(None, None, default_ttl)))
+    token = _bound.set((conn, EmitScope(None, None, default_ttl)))
     try:
         yield
     finally:
@@ -209,8 +204,7 @@ def bind(conn: Any, default_ttl: float) -> Iterator[None]:
 
 def bound_transaction() -> tuple[Any, EmitScope] | None:
     """The innermost ``transaction()`` block's connection and scope, if any."""
-    binding = _bound.get()
-    return None if binding is None else (binding.conn, binding.scope)
+    return _bound.get()
 
 
 def request_scope(record_key: bytes | None, token: int | None, ttl: float) -> EmitScope:

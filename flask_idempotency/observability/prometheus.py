@@ -223,7 +223,6 @@ class PrometheusMetrics(Observer):
         self.table_stats = table_stats
         self.table_stats_interval = table_stats_interval
         self._m = _instruments_for(registry)
-        self._request_counters: dict[tuple[str, str, str], Any] = {}
         self._collectors: list[TableStatsCollector] = []
         self._scrape_registry: CollectorRegistry | None = None
         self._apps: list[Flask] = []
@@ -278,7 +277,7 @@ class PrometheusMetrics(Observer):
         """The misconfiguration gauge (and ERROR) of a worker that exports its figures
         alone; at start-up, and on scrapes for a worker forked after ``init_app``
         (``preload_app``)."""
-        if _misconfigured(multiprocess_mode()):
+        if _misconfigured():
             self._m.multiprocess_misconfigured.set(1)
 
     def _show_routes(self) -> None:
@@ -287,9 +286,8 @@ class PrometheusMetrics(Observer):
         a sample is not exported at all (not even its ``# TYPE`` line)."""
         for app in self._apps:
             for rule in app.url_map.iter_rules():
-                if rule.rule in self._routes_shown:
-                    continue
-                if not _is_idempotent(app.view_functions.get(rule.endpoint)):
+                view = app.view_functions.get(rule.endpoint)
+                if rule.rule in self._routes_shown or not _is_idempotent(view):
                     continue
                 self._routes_shown.add(rule.rule)
                 for outcome in RequestOutcome:
@@ -316,11 +314,7 @@ class PrometheusMetrics(Observer):
     # -- the observer hooks ------------------------------------------------------
 
     def request_finished(self, event: RequestEvent) -> None:
-        labels = (event.route, event.outcome.value, event.source or "")
-        child = self._request_counters.get(labels)
-        if child is None:
-            child = self._request_counters[labels] = self._m.requests.labels(*labels)
-        child.inc()
+        self._m.requests.labels(event.route, event.outcome.value, event.source or "").inc()
         if event.claimed:
             self._m.in_flight.dec()
 
@@ -402,9 +396,9 @@ def _is_idempotent(view: Any) -> bool:
 _misconfiguration_logged_in: int | None = None
 
 
-def _misconfigured(multiprocess: bool) -> bool:
+def _misconfigured() -> bool:
     """Whether this process is one of several gunicorn workers exporting only its own
-    figures (``multiprocess``: prometheus-client's mode); logs an ERROR once per process.
+    figures (not in prometheus-client's multiprocess mode); logs an ERROR once per process.
 
     Without prometheus-client's multiprocess mode every worker of a multi-process
     server keeps its own figures, and a scrape shows whichever worker answered it:
@@ -415,9 +409,7 @@ def _misconfigured(multiprocess: bool) -> bool:
     multi-process server (uWSGI, mod_wsgi) it stays silent.
     """
     global _misconfiguration_logged_in
-    if multiprocess:
-        return False
-    workers = gunicorn_workers()
+    workers = None if multiprocess_mode() else gunicorn_workers()  # walks the stacks
     if workers is None or workers < 2:
         return False
     with _instruments_lock:
