@@ -22,7 +22,6 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from flask import Flask
 
@@ -59,12 +58,12 @@ class DirectPublisher:
         self.routes = [(guard, tuple(patterns)) for guard, patterns in routes]
 
     def publish(self, event: OutboxEvent) -> bool:
-        body: Any = json.loads(event.envelope())
+        body = json.loads(event.envelope())
+        delivery = Delivery.from_body(body, message_id=event.id, type=event.type)
         done = True
         for guard, patterns in self.routes:
             if not any(topic_matches(p, event.type) for p in patterns):
                 continue
-            delivery = Delivery.from_body(body, message_id=event.id, type=event.type)
             result = guard.handle(delivery, app=self.app)
             if result.outcome is ConsumerOutcome.DEAD_LETTERED:
                 log.error(
@@ -101,12 +100,11 @@ class EmbeddedEvents:
             poll_interval=poll_interval,
         )
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> EmbeddedEvents:
         self._thread = threading.Thread(
             target=self._run, name="idempotency-embedded-events", daemon=True
         )
+
+    def start(self) -> EmbeddedEvents:
         self._thread.start()
         return self
 
@@ -122,5 +120,5 @@ class EmbeddedEvents:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             self._thread.join(timeout)

@@ -84,18 +84,13 @@ class Delivery:
     ) -> Delivery:
         """From a decoded body; a relay envelope (``{"id", "type", "data", ...}``) is
         unwrapped, and its id is the fallback message id."""
-        payload = body
-        derived = None
-        if isinstance(body, dict) and "data" in body and "id" in body:
-            payload = body["data"]
-            derived = body.get("derived_key")
-            message_id = message_id or str(body["id"])
-            type = type or body.get("type")
+        if not (isinstance(body, dict) and "data" in body and "id" in body):
+            return cls(message_id, type, body, None, dict(headers or {}), redelivered, body)
         return cls(
-            id=message_id,
-            type=type,
-            payload=payload,
-            derived_key=derived,
+            id=message_id or str(body["id"]),
+            type=type or body.get("type"),
+            payload=body["data"],
+            derived_key=body.get("derived_key"),
             headers=dict(headers or {}),
             redelivered=redelivered,
             body=body,
