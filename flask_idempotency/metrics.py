@@ -104,9 +104,8 @@ class Metrics:
             self._counts["executed"] += 1
             if ctx.takeover:
                 self._counts["takeovers"] += 1
-        if self.observers:
-            for observer in self.observers:
-                observer.claimed(ctx.takeover)
+        for observer in self.observers:
+            observer.claimed(ctx.takeover)
 
     def record(
         self,

@@ -83,6 +83,8 @@ class Publisher:
     to at least one queue, False when it returned it as unroutable (no queue is
     bound to its type yet: the relay keeps the row and tries again later), and
     raises :class:`~.relay.BrokerUnavailable` when the broker is away or refused it.
+    A publisher of another kind of message (``celery.TaskPublisher``) overrides
+    :meth:`make_producer` and :meth:`publish`, and keeps the connection handling.
     """
 
     def __init__(self, url: str, exchange_name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -93,16 +95,22 @@ class Publisher:
         self._producer: Any = None
         self._returned: set[str] = set()
 
-    def _connect(self) -> Any:
+    def make_producer(self, conn: Any) -> Any:
+        """The producer to publish with on ``conn``, just connected (it declares its
+        exchange as it first publishes)."""
+        return kombu.Producer(
+            conn.channel(), exchange=exchange(self.exchange_name), on_return=self._on_return
+        )
+
+    def producer(self) -> Any:
+        """The producer, connected now if it is not (:class:`~.relay.BrokerUnavailable`
+        at once if the broker is away: the relay's backoff retries)."""
         if self._producer is not None:
             return self._producer
         conn = connect(self.url, timeout=self.timeout)
         try:
-            conn.ensure_connection(max_retries=0)  # fail fast: the relay's backoff retries
-            # The producer declares its exchange as it is made.
-            self._producer = kombu.Producer(
-                conn.channel(), exchange=exchange(self.exchange_name), on_return=self._on_return
-            )
+            conn.ensure_connection(max_retries=0)
+            self._producer = self.make_producer(conn)
         except Exception as exc:
             conn.release()
             raise BrokerUnavailable(f"{redact(self.url)}: {type(exc).__name__}: {exc}") from exc
@@ -114,7 +122,7 @@ class Publisher:
         self._returned.add(str(properties.get("message_id")))
 
     def publish(self, event: OutboxEvent) -> bool:
-        producer = self._connect()
+        producer = self.producer()
         try:
             producer.publish(
                 event.envelope(),
