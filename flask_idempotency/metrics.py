@@ -23,7 +23,6 @@ from . import flow
 from .digests import log_key
 from .observer import (
     Attributes,
-    AttributeValue,
     Observer,
     RequestEvent,
     RequestOutcome,
@@ -185,9 +184,6 @@ class StageTimer:
     def decided(self, decision: flow.Decision, takeover: bool) -> None:
         """Note what the claim decided (the claim span's result and takeover)."""
 
-    def set(self, name: str, value: AttributeValue) -> None:
-        """Note one more attribute of the stage."""
-
 
 NULL_TIMER = StageTimer()
 
@@ -223,9 +219,6 @@ class _StageTimer(StageTimer):
             result = decision.reason.value
         self._attributes["idempotency.claim.result"] = result or "unknown"
         self._attributes["idempotency.takeover"] = takeover
-
-    def set(self, name: str, value: AttributeValue) -> None:
-        self._attributes[name] = value
 
 
 def _completion_outcome(error: BaseException | None) -> str:

@@ -33,6 +33,7 @@ from .relay import Backoff, BrokerUnavailable
 try:
     import kombu
     from kombu.mixins import ConsumerMixin
+    from kombu.utils.url import maybe_sanitize_url
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError("events need kombu: pip install 'flask-idempotency[events]'") from exc
 
@@ -65,11 +66,7 @@ def connect(url: str, *, timeout: float = DEFAULT_TIMEOUT, heartbeat: float | No
 
 def redact(url: str) -> str:
     """``url`` without its password, for logs."""
-    head, sep, tail = url.rpartition("@")
-    if not sep or "://" not in head:
-        return url
-    scheme, _, userinfo = head.partition("://")
-    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{tail}"
+    return str(maybe_sanitize_url(url, mask="***"))
 
 
 def exchange(name: str) -> Any:
