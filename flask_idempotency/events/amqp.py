@@ -3,7 +3,7 @@
 kombu is the ``[events]`` extra: only this module imports it, and only what talks
 to a broker imports this module, so the library imports without it. RabbitMQ
 (``amqp://``) is the broker this is written and tested for. (Without a broker,
-``embedded.py`` runs the same relay and guards in one process.)
+``relay.EmbeddedEvents`` runs the same relay and guards in one process.)
 
 Topology: events go to one durable topic exchange (``IDEMPOTENCY_BROKER_OPTIONS["exchange"]``)
 with the event type as routing key, persistent, the event id as message id. A
