@@ -81,7 +81,7 @@ class Publisher:
     bound to its type yet: the relay keeps the row and tries again later), and
     raises :class:`~.relay.BrokerUnavailable` when the broker is away or refused it.
     A publisher of another kind of message (``celery.TaskPublisher``) overrides
-    :meth:`make_producer` and :meth:`publish`, and keeps the connection handling.
+    :meth:`make_producer` and ``publish``, and keeps the connection handling.
     """
 
     def __init__(self, url: str, exchange_name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:

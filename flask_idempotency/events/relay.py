@@ -136,7 +136,7 @@ class Relay:
     def relay_batch(self) -> int:
         """Publish one batch; return how many rows it took (0: nothing pending).
 
-        Raises :class:`BrokerUnavailable` or
+        Raises :class:`~flask_idempotency.events.relay.BrokerUnavailable` or
         ``StoreUnavailableError`` after committing what the broker did confirm
         (``SchemaMismatchError`` when the database has no outbox).
         """
