@@ -66,10 +66,11 @@ from typing import Any
 
 from flask import Flask, current_app, has_app_context
 
-from .events.amqp import DEFAULT_TIMEOUT, BrokerUnavailable, connect, redact
+from .events.amqp import DEFAULT_TIMEOUT, Publisher
 from .events.consumer import ConsumerGuard
 from .events.messages import ConsumerOutcome, Delivery, Result, consumer_options
 from .events.outbox import OutboxEvent
+from .events.relay import BrokerUnavailable
 from .store.base import StoredResponse
 
 try:
@@ -356,7 +357,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         raise Ignore()
 
 
-class TaskPublisher:
+class TaskPublisher(Publisher):
     """The relay's publisher for Celery: each outbox event becomes a task message.
 
     ``routes`` maps event types to task names; the task gets the event's envelope
@@ -371,7 +372,7 @@ class TaskPublisher:
     Publishing waits for the broker's confirm on a connection of its own (made
     with ``confirm_publish``), whatever the Celery app's transport options. An
     event type with no route answers False: the relay defers it, as it does an
-    event no queue is bound to.
+    event no queue is bound to. Connecting and closing are ``amqp.Publisher``'s.
     """
 
     def __init__(
@@ -382,31 +383,18 @@ class TaskPublisher:
         url: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
+        super().__init__(url or str(celery_app.conf.broker_url), "", timeout=timeout)
         self.celery_app = celery_app
         self.routes = dict(routes)
-        self.url = url or str(celery_app.conf.broker_url)
-        self.timeout = timeout
-        self._conn: Any = None
-        self._producer: Any = None
 
-    def _connect(self) -> Any:
-        if self._producer is not None:
-            return self._producer
-        conn = connect(self.url, timeout=self.timeout)
-        try:
-            conn.ensure_connection(max_retries=0)  # fail fast: the relay's backoff retries
-            self._producer = self.celery_app.amqp.Producer(conn.default_channel)
-        except Exception as exc:
-            conn.release()
-            raise BrokerUnavailable(f"{redact(self.url)}: {type(exc).__name__}: {exc}") from exc
-        self._conn = conn
-        return self._producer
+    def make_producer(self, conn: Any) -> Any:
+        return self.celery_app.amqp.Producer(conn.default_channel)
 
     def publish(self, event: OutboxEvent) -> bool:
         task_name = self.routes.get(event.type)
         if task_name is None:
             return False
-        producer = self._connect()
+        producer = self.producer()
         try:
             self.celery_app.send_task(
                 task_name,
@@ -421,14 +409,6 @@ class TaskPublisher:
             self.close()
             raise BrokerUnavailable(f"publish failed: {type(exc).__name__}: {exc}") from exc
         return True
-
-    def close(self) -> None:
-        conn, self._conn, self._producer = self._conn, None, None
-        if conn is not None:
-            try:
-                conn.release()
-            except Exception:  # a dead socket: nothing left to close cleanly
-                pass
 
 
 #: What an application uses; ``KEY_HEADER`` (the header a task's key travels in)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from flask import Request, has_request_context, request
 from werkzeug.exceptions import HTTPException
@@ -22,7 +23,6 @@ from . import flow
 from .digests import log_key
 from .observer import (
     Attributes,
-    AttributeValue,
     Observer,
     RequestEvent,
     RequestOutcome,
@@ -31,34 +31,21 @@ from .observer import (
 from .request_log import BREAKER_REFUSAL_LEVEL, LEVELS, TAKEOVER_LEVEL, log, log_event
 from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
 
-#: Every counter, so a snapshot always has the same keys.
-NAMES = (
-    "executed",  # the view ran under a new claim (its outcome is counted below)
-    "completed",  # its answer was stored (outcome "executed")
-    "released",  # its answer was not stored (5xx, not-acted-on 4xx, exception)
-    "replayed_from_cache",
-    "replayed_from_store",
-    "in_progress",  # 409: a duplicate while the first was running
-    "key_reused",  # 422
-    "lease_lost",  # 409: our completion was fenced off after a takeover
-    "store_unavailable",  # 503: PostgreSQL failed, fail closed
-    "schema_missing",  # 500: the database has no idempotency schema (never migrated)
-    "schema_outdated",  # 500: a migration of this release is not applied
-    "not_storable",  # 500: answer too large to store under oversize="reject"
-    "takeovers",  # claims that took over a dead holder's record (also in "executed")
-    "invalid_key",  # 400
-    "missing_key",  # 400
-    "missing_scope",  # 400
-    "malformed_body",  # 400
-    "body_too_large",  # 413
-    "keyless",  # an optional route without a key: passed through
-    "safe_method",  # GET, HEAD, OPTIONS, TRACE: passed through
-)
-
-#: The snapshot counter of each outcome (a replay's depends on its source).
+#: The snapshot counter of each outcome (a replay's depends on its source): an
+#: executed request whose answer was stored is ``completed``.
 _COUNTER: dict[RequestOutcome, str] = {outcome: outcome.value for outcome in RequestOutcome}
 _COUNTER[RequestOutcome.EXECUTED] = "completed"
 _REPLAY_COUNTER = {"cache": "replayed_from_cache", "store": "replayed_from_store"}
+
+#: Every counter, so a snapshot always has the same keys: one per outcome, and
+#: ``executed`` (claims won: the view ran, and its outcome is counted too) and
+#: ``takeovers`` (those of them that took over a dead holder's record).
+NAMES = (
+    "executed",
+    "takeovers",
+    *_REPLAY_COUNTER.values(),
+    *(name for outcome, name in _COUNTER.items() if outcome is not RequestOutcome.REPLAYED),
+)
 
 #: The outcome of a request refused before anything was claimed, by error code.
 _REFUSALS = {
@@ -116,9 +103,8 @@ class Metrics:
             self._counts["executed"] += 1
             if ctx.takeover:
                 self._counts["takeovers"] += 1
-        if self.observers:
-            for observer in self.observers:
-                observer.claimed(ctx.takeover)
+        for observer in self.observers:
+            observer.claimed(ctx.takeover)
 
     def record(
         self,
@@ -198,9 +184,6 @@ class StageTimer:
     def decided(self, decision: flow.Decision, takeover: bool) -> None:
         """Note what the claim decided (the claim span's result and takeover)."""
 
-    def set(self, name: str, value: AttributeValue) -> None:
-        """Note one more attribute of the stage."""
-
 
 NULL_TIMER = StageTimer()
 
@@ -237,9 +220,6 @@ class _StageTimer(StageTimer):
         self._attributes["idempotency.claim.result"] = result or "unknown"
         self._attributes["idempotency.takeover"] = takeover
 
-    def set(self, name: str, value: AttributeValue) -> None:
-        self._attributes[name] = value
-
 
 def _completion_outcome(error: BaseException | None) -> str:
     if error is None:
@@ -251,59 +231,34 @@ def _completion_outcome(error: BaseException | None) -> str:
     return "error"
 
 
+def _passed_on(hook: str) -> Callable[..., None]:
+    """An :class:`Observer` hook that calls ``hook`` of every attached observer."""
+
+    def pass_on(self: _Fanout, *args: Any) -> None:
+        for observer in self.metrics.observers:
+            getattr(observer, hook)(*args)
+
+    return pass_on
+
+
 class _Fanout(Observer):
     """The pool's, the cache's and the keeper's observer: passes each call on."""
 
     def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
+        self.metrics = metrics
 
-    def leases_renewed(self, renewed: int) -> None:
-        for observer in self._metrics.observers:
-            observer.leases_renewed(renewed)
-
-    def lease_renewal_failed(self) -> None:
-        for observer in self._metrics.observers:
-            observer.lease_renewal_failed()
-
-    def cache_lookup(self, hit: bool) -> None:
-        for observer in self._metrics.observers:
-            observer.cache_lookup(hit)
-
-    def cache_rejected(self, reason: str) -> None:
-        for observer in self._metrics.observers:
-            observer.cache_rejected(reason)
-
-    def redis_failed(self, command: str) -> None:
-        for observer in self._metrics.observers:
-            observer.redis_failed(command)
-
-    def redis_skipped(self, command: str) -> None:
-        for observer in self._metrics.observers:
-            observer.redis_skipped(command)
-
-    def breaker_changed(self, state: str) -> None:
-        for observer in self._metrics.observers:
-            observer.breaker_changed(state)
-
-    def store_breaker_changed(self, state: str) -> None:
-        for observer in self._metrics.observers:
-            observer.store_breaker_changed(state)
-
-    def pool_checkout(self) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_checkout()
-
-    def pool_checkin(self) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_checkin()
-
-    def pool_waiting(self, delta: int) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_waiting(delta)
-
-    def pool_timeout(self) -> None:
-        for observer in self._metrics.observers:
-            observer.pool_timeout()
+    leases_renewed = _passed_on("leases_renewed")
+    lease_renewal_failed = _passed_on("lease_renewal_failed")
+    cache_lookup = _passed_on("cache_lookup")
+    cache_rejected = _passed_on("cache_rejected")
+    redis_failed = _passed_on("redis_failed")
+    redis_skipped = _passed_on("redis_skipped")
+    breaker_changed = _passed_on("breaker_changed")
+    store_breaker_changed = _passed_on("store_breaker_changed")
+    pool_checkout = _passed_on("pool_checkout")
+    pool_checkin = _passed_on("pool_checkin")
+    pool_waiting = _passed_on("pool_waiting")
+    pool_timeout = _passed_on("pool_timeout")
 
 
 def _where(req: Request | None) -> tuple[str, str]:
@@ -325,10 +280,9 @@ def _event(
     status: int | None,
     error: BaseException | None,
 ) -> RequestEvent:
+    route, method = _where(ctx.request if ctx is not None else None)
     if ctx is None:
-        route, method = _where(None)
         return RequestEvent(outcome, route, method, status=status, error=_describe(error))
-    route, method = _where(ctx.request)
     return RequestEvent(
         outcome,
         route,
@@ -341,7 +295,7 @@ def _event(
         time.monotonic() - ctx.started if ctx.started else None,
         ctx.claim_seconds or None,
         ctx.completion_seconds,
-        _describe(error) if error is not None else None,
+        _describe(error),
         ctx.scope,
     )
 

@@ -6,8 +6,7 @@ import click
 from flask.cli import with_appcontext
 
 from ..events import outbox
-from ..events.amqp import BrokerUnavailable, Publisher, redact
-from ..events.relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, Relay
+from ..events.relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, BrokerUnavailable, Relay
 from ..store.base import StoreUnavailableError
 from .progress import Progress, interval_option
 from .stop import exit_interrupted, stop_on_signals
@@ -63,6 +62,8 @@ def relay(
     the broker or database is unreachable, 130 if Ctrl-C stopped it between
     batches.
     """
+    from ..events.amqp import Publisher, redact  # kombu, only when the command runs
+
     state = command_state()
     url = broker_url or state.settings.broker_url
     if not url:

@@ -4,7 +4,8 @@
 stores the answer; ``flask idempotency relay`` (``relay.py``) publishes it with
 confirms; ``@idempotency.consumer(name)`` (``consumer.py``) runs a handler once in
 effect per message. kombu (the ``[events]`` extra) is imported only by what
-talks to a broker (``amqp.py``, ``embedded.py``).
+talks to a broker (``amqp.py``); the embedded path (``relay.py``'s
+``EmbeddedEvents``) needs none.
 
 The names below load on first use: an application that only emits (every
 request that stores an answer may) never imports the relay, the consumer or a
@@ -18,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .amqp import ConsumerWorker, Subscription
-    from .embedded import EmbeddedEvents
     from .messages import ConsumerOutcome, Delivery
-    from .relay import Relay
+    from .relay import EmbeddedEvents, Relay
 
 #: Where each public name lives: what an application writes to run consumers and
 #: the relay. What they hand back (``ConsumerGuard``, ``messages.Result``, ``RelayStats``)
@@ -31,7 +31,7 @@ _HOMES = {
     "Subscription": "amqp",
     "ConsumerOutcome": "messages",
     "Delivery": "messages",
-    "EmbeddedEvents": "embedded",
+    "EmbeddedEvents": "relay",
     "Relay": "relay",
 }
 

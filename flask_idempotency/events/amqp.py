@@ -1,9 +1,9 @@
 """The broker side, through kombu: publishing with confirms, the topology, a consumer loop.
 
-kombu is the ``[events]`` extra: it is imported when one of these is used, so
-the library imports without it. RabbitMQ (``amqp://``) is the broker this is
-written and tested for. (Without a broker, ``embedded.py`` runs the same relay
-and guards in one process.)
+kombu is the ``[events]`` extra: only this module imports it, and only what talks
+to a broker imports this module, so the library imports without it. RabbitMQ
+(``amqp://``) is the broker this is written and tested for. (Without a broker,
+``relay.EmbeddedEvents`` runs the same relay and guards in one process.)
 
 Topology: events go to one durable topic exchange (``IDEMPOTENCY_BROKER_OPTIONS["exchange"]``)
 with the event type as routing key, persistent, the event id as message id. A
@@ -17,7 +17,6 @@ import dataclasses
 import heapq
 import itertools
 import logging
-import random
 import threading
 import time
 from collections import Counter
@@ -29,6 +28,14 @@ from flask import Flask
 from .consumer import ConsumerGuard
 from .messages import ConsumerOutcome, Delivery, Result
 from .outbox import OutboxEvent
+from .relay import Backoff, BrokerUnavailable
+
+try:
+    import kombu
+    from kombu.mixins import ConsumerMixin
+    from kombu.utils.url import maybe_sanitize_url
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError("events need kombu: pip install 'flask-idempotency[events]'") from exc
 
 log = logging.getLogger("flask_idempotency.events")
 
@@ -47,21 +54,8 @@ _POLL = 0.2
 DEAD_LETTER_SUFFIX = ".dlq"
 
 
-class BrokerUnavailable(Exception):
-    """The broker could not be reached, closed the connection, or refused the channel."""
-
-
-def _kombu() -> Any:
-    try:
-        import kombu
-    except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise RuntimeError("events need kombu: pip install 'flask-idempotency[events]'") from exc
-    return kombu
-
-
 def connect(url: str, *, timeout: float = DEFAULT_TIMEOUT, heartbeat: float | None = None) -> Any:
     """A kombu connection with publisher confirms on every channel, and timeouts."""
-    kombu = _kombu()
     options: dict[str, Any] = {}
     if url.split(":", 1)[0] in ("amqp", "amqps", "pyamqp"):
         options = {"confirm_publish": True, "read_timeout": timeout, "write_timeout": timeout}
@@ -72,22 +66,11 @@ def connect(url: str, *, timeout: float = DEFAULT_TIMEOUT, heartbeat: float | No
 
 def redact(url: str) -> str:
     """``url`` without its password, for logs."""
-    head, sep, tail = url.rpartition("@")
-    if not sep or "://" not in head:
-        return url
-    scheme, _, userinfo = head.partition("://")
-    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{tail}"
+    return str(maybe_sanitize_url(url, mask="***"))
 
 
 def exchange(name: str) -> Any:
-    return _kombu().Exchange(name, type="topic", durable=True)
-
-
-def _broker_errors(conn: Any) -> tuple[type[BaseException], ...]:
-    """What "the broker is away or refused us" raises: the transport's own errors,
-    socket errors, and kombu's wrapping of a failed connect."""
-    wrapped = _kombu().exceptions.OperationalError
-    return (*conn.connection_errors, *conn.channel_errors, OSError, wrapped)
+    return kombu.Exchange(name, type="topic", durable=True)
 
 
 class Publisher:
@@ -96,7 +79,9 @@ class Publisher:
     ``publish`` answers True when the broker confirmed the message and routed it
     to at least one queue, False when it returned it as unroutable (no queue is
     bound to its type yet: the relay keeps the row and tries again later), and
-    raises :class:`BrokerUnavailable` when the broker is away or refused it.
+    raises :class:`~.relay.BrokerUnavailable` when the broker is away or refused it.
+    A publisher of another kind of message (``celery.TaskPublisher``) overrides
+    :meth:`make_producer` and ``publish``, and keeps the connection handling.
     """
 
     def __init__(self, url: str, exchange_name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -107,18 +92,22 @@ class Publisher:
         self._producer: Any = None
         self._returned: set[str] = set()
 
-    def _connect(self) -> Any:
+    def make_producer(self, conn: Any) -> Any:
+        """The producer to publish with on ``conn``, just connected (it declares its
+        exchange as it first publishes)."""
+        return kombu.Producer(
+            conn.channel(), exchange=exchange(self.exchange_name), on_return=self._on_return
+        )
+
+    def producer(self) -> Any:
+        """The producer, connected now if it is not (:class:`~.relay.BrokerUnavailable`
+        at once if the broker is away: the relay's backoff retries)."""
         if self._producer is not None:
             return self._producer
-        kombu = _kombu()
         conn = connect(self.url, timeout=self.timeout)
         try:
-            conn.ensure_connection(max_retries=0)  # fail fast: our backoff retries
-            channel = conn.channel()
-            exchange(self.exchange_name)(channel).declare()
-            self._producer = kombu.Producer(
-                channel, exchange=exchange(self.exchange_name), on_return=self._on_return
-            )
+            conn.ensure_connection(max_retries=0)
+            self._producer = self.make_producer(conn)
         except Exception as exc:
             conn.release()
             raise BrokerUnavailable(f"{redact(self.url)}: {type(exc).__name__}: {exc}") from exc
@@ -130,7 +119,7 @@ class Publisher:
         self._returned.add(str(properties.get("message_id")))
 
     def publish(self, event: OutboxEvent) -> bool:
-        producer = self._connect()
+        producer = self.producer()
         try:
             producer.publish(
                 event.envelope(),
@@ -178,40 +167,19 @@ class Subscription:
     def dead_letter_queue(self) -> str:
         return self.queue + DEAD_LETTER_SUFFIX
 
-    def declare(self, channel: Any) -> Any:
-        """Declare the exchange, the queue with its bindings and its dead-letter
-        queue; return the kombu queue to consume."""
-        kombu = _kombu()
-        ex = exchange(self.exchange_name)
-        args = dict(self.queue_arguments)
+    def queues(self) -> tuple[Any, Any]:
+        """The kombu queue to consume (its bindings declare the exchange with it) and
+        its dead-letter queue."""
+        ex, args = exchange(self.exchange_name), dict(self.queue_arguments)
         bindings = [kombu.binding(ex, routing_key=key) for key in self.routing_keys]
-        queue = kombu.Queue(self.queue, bindings=bindings, durable=True, queue_arguments=args)
-        dlq = kombu.Queue(self.dead_letter_queue, durable=True, queue_arguments=args)
-        ex(channel).declare()
-        queue(channel).declare()
-        dlq(channel).declare()
-        return queue
+        return (
+            kombu.Queue(self.queue, bindings=bindings, durable=True, queue_arguments=args),
+            kombu.Queue(self.dead_letter_queue, durable=True, queue_arguments=args),
+        )
 
 
-class Backoff:
-    """Exponential backoff with jitter: ``initial``, doubling to ``maximum``."""
-
-    def __init__(self, initial: float = 0.2, maximum: float = 10.0) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self._next = initial
-
-    def reset(self) -> None:
-        self._next = self.initial
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self.maximum, self._next * 2)
-        return delay * random.uniform(0.8, 1.2)
-
-
-class ConsumerWorker:
-    """A plain kombu consumer loop around one or more guards.
+class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped here
+    """kombu's consumer loop (its ``ConsumerMixin``) around one or more guards.
 
     It acknowledges what the guard says to acknowledge (after the commit),
     holds ``BUSY`` and ``RETRY`` deliveries for their delay and then requeues
@@ -221,6 +189,9 @@ class ConsumerWorker:
     before acknowledging them. When the broker goes away it reconnects with
     backoff; the deliveries it held go back to the queue with the channel.
     """
+
+    #: Fail fast: :meth:`run` waits out an outage with its own backoff, and its ``stop``.
+    connect_max_retries = 0
 
     def __init__(
         self,
@@ -235,76 +206,88 @@ class ConsumerWorker:
     ) -> None:
         self.app = app
         self.url = url
+        #: The mixin's connection: each round of :meth:`run` consumes on a clone of it.
+        self.connection = connect(url, timeout=timeout, heartbeat=heartbeat)
         self.subscriptions = list(subscriptions)
         self.prefetch = prefetch
-        self.heartbeat = heartbeat
         self.timeout = timeout
         self.backoff = backoff or Backoff()
         #: Deliveries by outcome, plus ``reconnects``, since the worker started.
         self.counts: Counter[str] = Counter()
         self.connected = threading.Event()
+        self._stop = threading.Event()
         self._delayed: list[tuple[float, int, Any]] = []
         self._seq = itertools.count()
-        self._dl_conn: Any = None
+        # Dead letters go out on a connection of their own: waiting for a confirm on
+        # the consuming one would dispatch new deliveries into this one's handling.
+        self._dead_letters = kombu.Producer(connect(url, timeout=timeout))
+
+    @property
+    def should_stop(self) -> bool:
+        """The mixin's flag, read from the ``stop`` event given to :meth:`run`."""
+        return self._stop.is_set()
 
     def run(self, stop: threading.Event) -> Counter[str]:
         """Consume until ``stop`` is set; returns the counts."""
-        while not stop.is_set():
-            try:
-                self._consume(stop)
-            except BrokerUnavailable as exc:
-                self.connected.clear()
-                self.counts["reconnects"] += 1
-                delay = self.backoff.next()
-                log.warning("consumer: broker unavailable (%s); again in %.1f s", exc, delay)
-                stop.wait(delay)
-        self._close_dead_letter_connection()
-        return self.counts
-
-    def _consume(self, stop: threading.Event) -> None:
-        kombu = _kombu()
-        conn = connect(self.url, timeout=self.timeout, heartbeat=self.heartbeat)
-        errors = _broker_errors(conn)
+        self._stop = stop
+        errors = (
+            *self.connection.connection_errors,
+            *self.connection.channel_errors,
+            OSError,
+            kombu.exceptions.OperationalError,  # a failed connect, as kombu raises it
+        )
         try:
-            try:
-                conn.ensure_connection(max_retries=0)  # fail fast: our backoff retries
-                channel = conn.channel()
-                consumers = []
-                for sub in self.subscriptions:
-                    queue = sub.declare(channel)
-                    consumer = kombu.Consumer(
-                        channel,
-                        queues=[queue],
-                        callbacks=[self._callback(sub)],
-                        on_decode_error=self._decode_error(sub),
-                        accept=["json"],
-                        prefetch_count=self.prefetch,
-                    )
-                    consumer.consume()
-                    consumers.append(consumer)
-            except errors as exc:
-                raise BrokerUnavailable(f"{redact(self.url)}: {type(exc).__name__}: {exc}") from exc
-            self.backoff.reset()
-            self.connected.set()
-            log.info("consumer: consuming %s", ", ".join(s.queue for s in self.subscriptions))
             while not stop.is_set():
                 try:
-                    conn.drain_events(timeout=_POLL)
-                except TimeoutError:
-                    pass
+                    for _ in self.consume(safety_interval=_POLL):
+                        pass
                 except errors as exc:
-                    raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
-                try:
-                    conn.heartbeat_check()
-                    self._requeue_due()
-                except errors as exc:
-                    raise BrokerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+                    self.connected.clear()
+                    self.counts["reconnects"] += 1
+                    delay = self.backoff.next()
+                    log.warning(
+                        "consumer: broker unavailable (%s: %s); again in %.1f s",
+                        type(exc).__name__,
+                        exc,
+                        delay,
+                    )
+                    stop.wait(delay)
         finally:
-            self._delayed.clear()  # held deliveries return to the queue with the channel
-            try:
-                conn.release()
-            except Exception:  # already broken: nothing to close cleanly
-                pass
+            self._dead_letters.connection.release()
+        return self.counts
+
+    # -- the mixin's hooks ---------------------------------------------------------
+
+    def get_consumers(self, consumer: Callable[..., Any], channel: Any) -> list[Any]:
+        consumers = []
+        for sub in self.subscriptions:
+            queue, dead_letter_queue = sub.queues()
+            dead_letter_queue(channel).declare()
+            consumers.append(
+                consumer(
+                    queues=[queue],
+                    callbacks=[self._callback(sub)],
+                    on_decode_error=self._decode_error(sub),
+                    accept=["json"],
+                    prefetch_count=self.prefetch,
+                )
+            )
+        return consumers
+
+    def on_consume_ready(self, connection: Any, channel: Any, consumers: Any, **kw: Any) -> None:
+        self._delayed.clear()  # what an earlier channel held went back with it
+        self.backoff.reset()
+        self.connected.set()
+        log.info("consumer: consuming %s", ", ".join(s.queue for s in self.subscriptions))
+
+    def on_iteration(self) -> None:
+        now = time.monotonic()
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, message = heapq.heappop(self._delayed)
+            message.requeue()
+            self.counts["requeued"] += 1
+
+    # -- deliveries ----------------------------------------------------------------
 
     def _callback(self, sub: Subscription) -> Callable[[Any, Any], None]:
         def on_message(body: Any, message: Any) -> None:
@@ -340,22 +323,9 @@ class ConsumerWorker:
 
         return on_decode_error
 
-    def _requeue_due(self) -> None:
-        now = time.monotonic()
-        while self._delayed and self._delayed[0][0] <= now:
-            _, _, message = heapq.heappop(self._delayed)
-            message.requeue()
-            self.counts["requeued"] += 1
-
     def _dead_letter(self, sub: Subscription, message: Any, result: Result, error: str) -> None:
-        """Copy ``message`` to ``sub``'s dead-letter queue and wait for the confirm.
-
-        On a connection of its own: waiting for a confirm on the consuming
-        connection would dispatch new deliveries into this one's handling.
-        """
-        kombu = _kombu()
-        if self._dl_conn is None:
-            self._dl_conn = connect(self.url, timeout=self.timeout)
+        """Copy ``message`` to ``sub``'s dead-letter queue and wait for the confirm
+        (reconnecting once if that connection was lost since its last use)."""
         properties = message.properties or {}
         headers = dict(message.headers or {})
         headers.update(
@@ -366,29 +336,18 @@ class ConsumerWorker:
                 "x-idempotency-queue": sub.queue,
             }
         )
-        try:
-            producer = kombu.Producer(self._dl_conn.default_channel)
-            producer.publish(
-                message.body,
-                exchange="",
-                routing_key=sub.dead_letter_queue,
-                content_type=message.content_type,
-                content_encoding=message.content_encoding,
-                message_id=properties.get("message_id"),
-                type=properties.get("type"),
-                headers=headers,
-                delivery_mode=2,
-                timeout=self.timeout,
-                confirm_timeout=self.timeout,
-            )
-        except Exception:
-            self._close_dead_letter_connection()
-            raise
-
-    def _close_dead_letter_connection(self) -> None:
-        conn, self._dl_conn = self._dl_conn, None
-        if conn is not None:
-            try:
-                conn.release()
-            except Exception:  # a dead socket: nothing left to close cleanly
-                pass
+        self._dead_letters.publish(
+            message.body,
+            exchange="",
+            routing_key=sub.dead_letter_queue,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            message_id=properties.get("message_id"),
+            type=properties.get("type"),
+            headers=headers,
+            delivery_mode=2,
+            timeout=self.timeout,
+            confirm_timeout=self.timeout,
+            retry=True,
+            retry_policy={"max_retries": 1, "interval_start": 0},
+        )

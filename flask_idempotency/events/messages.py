@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..store.base import StoredResponse
+from .outbox import positive_seconds
 
 
 class ConsumerOutcome(enum.Enum):
@@ -83,18 +84,13 @@ class Delivery:
     ) -> Delivery:
         """From a decoded body; a relay envelope (``{"id", "type", "data", ...}``) is
         unwrapped, and its id is the fallback message id."""
-        payload = body
-        derived = None
-        if isinstance(body, dict) and "data" in body and "id" in body:
-            payload = body["data"]
-            derived = body.get("derived_key")
-            message_id = message_id or str(body["id"])
-            type = type or body.get("type")
+        if not (isinstance(body, dict) and "data" in body and "id" in body):
+            return cls(message_id, type, body, None, dict(headers or {}), redelivered, body)
         return cls(
-            id=message_id,
-            type=type,
-            payload=payload,
-            derived_key=derived,
+            id=message_id or str(body["id"]),
+            type=type or body.get("type"),
+            payload=body["data"],
+            derived_key=body.get("derived_key"),
             headers=dict(headers or {}),
             redelivered=redelivered,
             body=body,
@@ -141,15 +137,6 @@ class ConsumerOptions:
     max_worker_losses: int | None = None
 
 
-def _seconds(name: str, value: float | timedelta | None) -> float | None:
-    if value is None:
-        return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
-        raise ValueError(f"idempotency consumer option {name}= must be positive, got {value!r}")
-    return seconds
-
-
 def consumer_options(
     name: str,
     *,
@@ -166,24 +153,19 @@ def consumer_options(
         raise ValueError("an idempotency consumer needs a name (it scopes its records)")
     if key is not None and not callable(key):
         raise ValueError("idempotency consumer option key= must be callable")
-    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-        raise ValueError("idempotency consumer option max_attempts= must be an integer >= 1")
-    if max_worker_losses is not None and (
-        isinstance(max_worker_losses, bool)
-        or not isinstance(max_worker_losses, int)
-        or max_worker_losses < 1
-    ):
-        raise ValueError(
-            "idempotency consumer option max_worker_losses= must be None or an integer >= 1"
-        )
+    losses = 1 if max_worker_losses is None else max_worker_losses  # None: no limit
+    for option, count in (("max_attempts", max_attempts), ("max_worker_losses", losses)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"idempotency consumer option {option}= must be an integer >= 1")
+    option = "idempotency consumer option "
     return ConsumerOptions(
         name=name,
         key=key or message_id_key,
         max_attempts=max_attempts,
-        lease=_seconds("lease", lease),
-        ttl=_seconds("ttl", ttl),
-        retry_delay=_seconds("retry_delay", retry_delay) or 1.0,
-        max_retry_delay=_seconds("max_retry_delay", max_retry_delay) or 60.0,
-        busy_delay=_seconds("busy_delay", busy_delay) or 1.0,
+        lease=positive_seconds(option + "lease", lease),
+        ttl=positive_seconds(option + "ttl", ttl),
+        retry_delay=positive_seconds(option + "retry_delay", retry_delay) or 1.0,
+        max_retry_delay=positive_seconds(option + "max_retry_delay", max_retry_delay) or 60.0,
+        busy_delay=positive_seconds(option + "busy_delay", busy_delay) or 1.0,
         max_worker_losses=max_worker_losses,
     )

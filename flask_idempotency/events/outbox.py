@@ -66,7 +66,7 @@ SELECT id, event_type, payload::text, derived_key,
 """
 MARK_PUBLISHED = """
 UPDATE idempotency_outbox SET published_at = now(), attempts = attempts + 1
- WHERE id = ANY(%s)
+ WHERE id = ANY(%(ids)s)
 """
 #: A publish the broker refused or could not route: counted, and left alone for a
 #: while that doubles with each attempt (capped), so one event that no queue
@@ -74,12 +74,12 @@ UPDATE idempotency_outbox SET published_at = now(), attempts = attempts + 1
 MARK_DEFERRED = """
 UPDATE idempotency_outbox
    SET attempts = attempts + 1,
-       available_at = now() + make_interval(secs => least(%s, %s * power(2, attempts)))
- WHERE id = ANY(%s)
+       available_at = now() + make_interval(secs => least(%(cap)s, %(base)s * power(2, attempts)))
+ WHERE id = ANY(%(ids)s)
 """
 #: Rows a relay took but could not publish because the broker went away: the
 #: attempt is counted, and they are free for the next try at once.
-MARK_ATTEMPTED = "UPDATE idempotency_outbox SET attempts = attempts + 1 WHERE id = ANY(%s)"
+MARK_ATTEMPTED = "UPDATE idempotency_outbox SET attempts = attempts + 1 WHERE id = ANY(%(ids)s)"
 
 PURGE_BATCH = """
 WITH doomed AS (
@@ -148,12 +148,13 @@ def check_event_type(event_type: str) -> str:
     return event_type
 
 
-def ttl_seconds(ttl: float | timedelta | None, default: float) -> float:
-    if ttl is None:
-        return default
-    seconds = ttl.total_seconds() if isinstance(ttl, timedelta) else float(ttl)
+def positive_seconds(option: str, value: float | timedelta | None) -> float | None:
+    """``value`` in seconds (``None`` stays ``None``), or ``ValueError`` naming ``option``."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not seconds > 0:
-        raise ValueError(f"an event's ttl= must be positive, got {ttl!r}")
+        raise ValueError(f"{option}= must be positive, got {value!r}")
     return seconds
 
 
@@ -178,20 +179,15 @@ class EmitScope:
             if self.record_key is not None
             else None
         )
-        keep = ttl_seconds(ttl, self.default_ttl)
+        keep = positive_seconds("an event's ttl", ttl) or self.default_ttl
         with conn.cursor() as cur:
             cur.execute(INSERT_EVENT, (eid, self.record_key, derived, event_type, body, keep))
         self.emitted += 1
         return eid
 
 
-@dataclasses.dataclass(frozen=True)
-class _Binding:
-    conn: Any
-    scope: EmitScope
-
-
-_bound: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar(
+#: The innermost ``transaction()`` block's connection and its scope.
+_bound: contextvars.ContextVar[tuple[Any, EmitScope] | None] = contextvars.ContextVar(
     "flask_idempotency_outbox", default=None
 )
 
@@ -199,7 +195,7 @@ _bound: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar(
 @contextmanager
 def bind(conn: Any, default_ttl: float) -> Iterator[None]:
     """Send ``emit()`` to ``conn`` for the block (``idempotency.transaction()``)."""
-    token = _bound.set(_Binding(conn, EmitScope(None, None, default_ttl)))
+    token = _bound.set((conn, EmitScope(None, None, default_ttl)))
     try:
         yield
     finally:
@@ -208,8 +204,7 @@ def bind(conn: Any, default_ttl: float) -> Iterator[None]:
 
 def bound_transaction() -> tuple[Any, EmitScope] | None:
     """The innermost ``transaction()`` block's connection and scope, if any."""
-    binding = _bound.get()
-    return None if binding is None else (binding.conn, binding.scope)
+    return _bound.get()
 
 
 def request_scope(record_key: bytes | None, token: int | None, ttl: float) -> EmitScope:
@@ -232,31 +227,16 @@ def claim_batch(conn: Any, size: int) -> list[OutboxEvent]:
     return [OutboxEvent(r[0], r[1], r[2], r[3], int(r[4]), int(r[5])) for r in rows]
 
 
-def mark_published(conn: Any, ids: Sequence[str]) -> None:
+def mark(conn: Any, statement: str, ids: Sequence[str], **params: float) -> None:
+    """Run one of the ``MARK_*`` statements on the rows ``ids`` (none: nothing to run)."""
     if ids:
         with conn.cursor() as cur:
-            cur.execute(MARK_PUBLISHED, (list(ids),))
-
-
-def mark_deferred(conn: Any, ids: Sequence[str], base: float, cap: float) -> None:
-    if ids:
-        with conn.cursor() as cur:
-            cur.execute(MARK_DEFERRED, (cap, base, list(ids)))
-
-
-def mark_attempted(conn: Any, ids: Sequence[str]) -> None:
-    if ids:
-        with conn.cursor() as cur:
-            cur.execute(MARK_ATTEMPTED, (list(ids),))
-
-
-def purge(store: Any, batch_size: int) -> int:
-    """Delete published events past their expiry, a batch per transaction."""
-    return sum(purge_batches(store, batch_size))
+            cur.execute(statement, {"ids": list(ids), **params})
 
 
 def purge_batches(store: Any, batch_size: int) -> Iterator[int]:
-    """:func:`purge`, yielding each committed batch's count (the CLI's progress)."""
+    """Delete published events past their expiry, a batch per transaction, yielding
+    each committed batch's count (the CLI's progress)."""
     while True:
         with store.transaction() as conn, conn.cursor() as cur:
             cur.execute(PURGE_BATCH, (batch_size,))
@@ -267,24 +247,22 @@ def purge_batches(store: Any, batch_size: int) -> Iterator[int]:
             return
 
 
-def count_expired(store: Any) -> int:
+def _row(store: Any, statement: str) -> Any:
     with store.transaction() as conn, conn.cursor() as cur:
-        cur.execute(COUNT_EXPIRED)
-        row = cur.fetchone()
-    return int(row[0]) if row else 0
+        cur.execute(statement)
+        return cur.fetchone()
+
+
+def count_expired(store: Any) -> int:
+    return int(_row(store, COUNT_EXPIRED)[0])
 
 
 def count_due(store: Any) -> int:
-    with store.transaction() as conn, conn.cursor() as cur:
-        cur.execute(COUNT_DUE)
-        row = cur.fetchone()
-    return int(row[0]) if row else 0
+    """What a relay would take now (``relay --once``'s total)."""
+    return int(_row(store, COUNT_DUE)[0])
 
 
 def counts(store: Any) -> dict[str, float]:
     """``pending``, ``published`` and ``oldest_pending_seconds`` (operators, tests)."""
-    with store.transaction() as conn, conn.cursor() as cur:
-        cur.execute(COUNTS)
-        row = cur.fetchone()
-    assert row is not None
-    return {"pending": row[0], "published": row[1], "oldest_pending_seconds": float(row[2])}
+    pending, published, oldest = _row(store, COUNTS)
+    return {"pending": pending, "published": published, "oldest_pending_seconds": float(oldest)}

@@ -31,6 +31,7 @@ per ``table_stats_interval`` however often it is scraped.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import struct
@@ -38,7 +39,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flask import Flask, Response, request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
@@ -53,14 +54,11 @@ from ..observer import (
     Stage,
 )
 from ..state import app_state
-from . import attach, multiprocess_check
+from ..workers import gunicorn_workers, pool_capacity
+from . import attach
 from .table_stats import DEFAULT_TABLE_STATS_INTERVAL as DEFAULT_TABLE_STATS_INTERVAL
-from .table_stats import MULTIPROC_ENV as MULTIPROC_ENV
-from .table_stats import PREFIX as PREFIX
+from .table_stats import MULTIPROC_ENV, PREFIX
 from .table_stats import TableStatsCollector as TableStatsCollector
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("flask_idempotency.observability")
 
@@ -78,8 +76,9 @@ _SCRAPE_TRIES = 5
 def multiprocess_mode() -> bool:
     """Whether prometheus-client writes its values to the multiprocess directory.
 
-    It decides when it is first imported, from ``PROMETHEUS_MULTIPROC_DIR``."""
-    return bool(getattr(values.ValueClass, "_multiprocess", False))
+    It decides when it is first imported, from ``PROMETHEUS_MULTIPROC_DIR``: its
+    value class is then a memory-mapped one instead of the plain ``MutexValue``."""
+    return values.ValueClass is not values.MutexValue
 
 
 class _Instruments:
@@ -187,20 +186,18 @@ class _Instruments:
 _instruments: weakref.WeakKeyDictionary[CollectorRegistry, _Instruments] = (
     weakref.WeakKeyDictionary()
 )
-_multiprocess_instruments: _Instruments | None = None
 _instruments_lock = threading.Lock()
 
 
 def _instruments_for(registry: CollectorRegistry) -> _Instruments:
-    global _multiprocess_instruments
+    # In multiprocess mode the instruments are registered nowhere (the scrape reads
+    # the files), so the process has one set, kept under the default registry.
+    multiprocess = multiprocess_mode()
+    key = REGISTRY if multiprocess else registry
     with _instruments_lock:
-        if multiprocess_mode():
-            if _multiprocess_instruments is None:
-                _multiprocess_instruments = _Instruments(None)
-            return _multiprocess_instruments
-        found = _instruments.get(registry)
+        found = _instruments.get(key)
         if found is None:
-            found = _instruments[registry] = _Instruments(registry)
+            found = _instruments[key] = _Instruments(None if multiprocess else registry)
         return found
 
 
@@ -226,7 +223,6 @@ class PrometheusMetrics(Observer):
         self.table_stats = table_stats
         self.table_stats_interval = table_stats_interval
         self._m = _instruments_for(registry)
-        self._request_counters: dict[tuple[str, str, str], Any] = {}
         self._collectors: list[TableStatsCollector] = []
         self._scrape_registry: CollectorRegistry | None = None
         self._apps: list[Flask] = []
@@ -244,8 +240,6 @@ class PrometheusMetrics(Observer):
                 MULTIPROC_ENV,
             )
         self._check_workers()
-        from ..workers import pool_capacity
-
         capacity = pool_capacity(app)
         if capacity is not None:
             self._m.pool_max.inc(capacity[0])
@@ -270,22 +264,20 @@ class PrometheusMetrics(Observer):
         self._show_routes()
         self._check_workers()
         encoder, content_type = choose_encoder(accept or "")
-        for attempt in range(1, _SCRAPE_TRIES + 1):
+        for attempt in range(1, _SCRAPE_TRIES):
             try:
                 return encoder(self._registry_to_scrape()), content_type
             except struct.error:
                 # A worker starting now has created its file but not yet sized it
                 # (prometheus-client opens, then truncates): read again shortly.
-                if attempt == _SCRAPE_TRIES:
-                    raise
                 time.sleep(0.01 * attempt)
-        raise AssertionError("unreachable")
+        return encoder(self._registry_to_scrape()), content_type
 
     def _check_workers(self) -> None:
         """The misconfiguration gauge (and ERROR) of a worker that exports its figures
         alone; at start-up, and on scrapes for a worker forked after ``init_app``
         (``preload_app``)."""
-        if multiprocess_check.misconfigured(multiprocess_mode()):
+        if _misconfigured():
             self._m.multiprocess_misconfigured.set(1)
 
     def _show_routes(self) -> None:
@@ -294,9 +286,8 @@ class PrometheusMetrics(Observer):
         a sample is not exported at all (not even its ``# TYPE`` line)."""
         for app in self._apps:
             for rule in app.url_map.iter_rules():
-                if rule.rule in self._routes_shown:
-                    continue
-                if not _is_idempotent(app.view_functions.get(rule.endpoint)):
+                view = app.view_functions.get(rule.endpoint)
+                if rule.rule in self._routes_shown or not _is_idempotent(view):
                     continue
                 self._routes_shown.add(rule.rule)
                 for outcome in RequestOutcome:
@@ -323,11 +314,7 @@ class PrometheusMetrics(Observer):
     # -- the observer hooks ------------------------------------------------------
 
     def request_finished(self, event: RequestEvent) -> None:
-        labels = (event.route, event.outcome.value, event.source or "")
-        child = self._request_counters.get(labels)
-        if child is None:
-            child = self._request_counters[labels] = self._m.requests.labels(*labels)
-        child.inc()
+        self._m.requests.labels(event.route, event.outcome.value, event.source or "").inc()
         if event.claimed:
             self._m.in_flight.dec()
 
@@ -369,16 +356,10 @@ class PrometheusMetrics(Observer):
         self._m.redis_skipped.labels(command).inc()
 
     def breaker_changed(self, state: str) -> None:
-        for name in ("closed", "open", "half-open"):
-            self._m.breaker_state.labels(name).set(1 if name == state else 0)
-        if state == "open":
-            self._m.breaker_opened.inc()
+        _breaker_changed(self._m.breaker_state, self._m.breaker_opened, state)
 
     def store_breaker_changed(self, state: str) -> None:
-        for name in ("closed", "open", "half-open"):
-            self._m.store_breaker_state.labels(name).set(1 if name == state else 0)
-        if state == "open":
-            self._m.store_breaker_opened.inc()
+        _breaker_changed(self._m.store_breaker_state, self._m.store_breaker_opened, state)
 
     def pool_checkout(self) -> None:
         self._m.pool_in_use.inc()
@@ -393,14 +374,60 @@ class PrometheusMetrics(Observer):
         self._m.pool_timeouts.inc()
 
 
+def _breaker_changed(state_gauge: Gauge, opened: Counter, state: str) -> None:
+    for name in ("closed", "open", "half-open"):
+        state_gauge.labels(name).set(1 if name == state else 0)
+    if state == "open":
+        opened.inc()
+
+
 def _is_idempotent(view: Any) -> bool:
     """Whether ``view`` is (or wraps) a view decorated by ``required``/``optional``."""
     from ..recovery import ROUTE_ATTRIBUTE  # set on the decorator's wrapper
 
-    for _ in range(32):
-        if view is None:
-            return False
-        if getattr(view, ROUTE_ATTRIBUTE, None) is not None:
+    def decorated(f: Any) -> bool:
+        return getattr(f, ROUTE_ATTRIBUTE, None) is not None
+
+    return decorated(inspect.unwrap(view, stop=decorated))
+
+
+#: The process that last logged the misconfiguration (a forked worker logs again:
+#: its parent's log is not its own).
+_misconfiguration_logged_in: int | None = None
+
+
+def _misconfigured() -> bool:
+    """Whether this process is one of several gunicorn workers exporting only its own
+    figures (not in prometheus-client's multiprocess mode); logs an ERROR once per process.
+
+    Without prometheus-client's multiprocess mode every worker of a multi-process
+    server keeps its own figures, and a scrape shows whichever worker answered it:
+    the counters jump back and forth and nothing looks wrong. So this is said once
+    in each such process, and the ``metrics_multiprocess_misconfigured`` gauge set
+    to 1 for an alert. It knows gunicorn only
+    (:func:`~flask_idempotency.workers.gunicorn_workers`); under another
+    multi-process server (uWSGI, mod_wsgi) it stays silent.
+    """
+    global _misconfiguration_logged_in
+    workers = None if multiprocess_mode() else gunicorn_workers()  # walks the stacks
+    if workers is None or workers < 2:
+        return False
+    with _instruments_lock:
+        if _misconfiguration_logged_in == os.getpid():
             return True
-        view = getattr(view, "__wrapped__", None)
-    return False
+        _misconfiguration_logged_in = os.getpid()
+    reason = (
+        f"{MULTIPROC_ENV} is set but prometheus_client was imported before it was"
+        if os.environ.get(MULTIPROC_ENV)
+        else f"{MULTIPROC_ENV} is not set"
+    )
+    log.error(
+        "Prometheus metrics are served by one of gunicorn's %d workers without "
+        "prometheus-client's multiprocess mode (%s): each scrape shows only the figures "
+        "of the worker that answers it. Add to gunicorn.conf.py: from "
+        "flask_idempotency.gunicorn import child_exit, on_exit, on_starting, "
+        "post_worker_init (docs: observability).",
+        workers,
+        reason,
+    )
+    return True

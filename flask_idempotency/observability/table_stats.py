@@ -130,16 +130,13 @@ class TableStatsCollector:
             for state in _RECORD_STATES:
                 records.add_metric([state], figures.get(state, 0.0))
         yield records
-        for name, doc, figure in _TABLE_GAUGES:
-            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
-            if figures is not None:
-                family.add_metric([], figures.get(figure, 0.0))
-            yield family
-        for name, doc, figure in _TABLE_COUNTERS:
-            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc)
-            if figures is not None:
-                counter.add_metric([], figures.get(figure, 0.0))
-            yield counter
+        kinds = ((GaugeMetricFamily, _TABLE_GAUGES), (CounterMetricFamily, _TABLE_COUNTERS))
+        for kind, rows in kinds:
+            for name, doc, figure in rows:
+                family = kind(f"{PREFIX}_{name}", doc)
+                if figures is not None:
+                    family.add_metric([], figures.get(figure, 0.0))
+                yield family
 
     def figures(self) -> dict[str, float] | None:
         """The latest figures (``None``: PostgreSQL did not answer), queried only if
@@ -148,11 +145,8 @@ class TableStatsCollector:
             now = self.clock()
             if self._cached is not None and now - self._cached[0] < self.interval:
                 return self._cached[1]
-            if self._shared is None:
-                figures = self._query()
-                at = now
-            else:
-                at, figures = self._shared_figures(now)
+            shared = self._shared is not None
+            at, figures = self._shared_figures(now) if shared else (now, self._query())
             self._cached = (at, figures)
             return figures
 

@@ -33,9 +33,8 @@ from flask_idempotency import (
     global_scope,
 )
 from flask_idempotency.completer import Recoverer
-from flask_idempotency.events.amqp import Backoff
 from flask_idempotency.events.messages import ConsumerOutcome, Delivery
-from flask_idempotency.events.relay import Relay
+from flask_idempotency.events.relay import Backoff, Relay
 from flask_idempotency.store import migrations
 from flask_idempotency.store.base import StoreUnavailableError
 from flask_idempotency.store.schema import Problem, SchemaWatch

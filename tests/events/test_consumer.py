@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from flask import Flask
@@ -29,8 +30,10 @@ from flask_idempotency.events import (
 )
 from flask_idempotency.events.amqp import Publisher
 from flask_idempotency.events.messages import Result
+from flask_idempotency.events.relay import Backoff
 from support.pg_query import query
 from support.records import end_leases
+from support.servers import ProxyFactory
 from support.waiting import wait_until
 
 from . import app as events_app
@@ -313,3 +316,47 @@ def test_a_poison_message_ends_in_the_dead_letter_queue_and_the_others_keep_flow
     assert headers["x-idempotency-error"] == "KeyError: 'poison'"
     assert json.loads(dead[0].body)["data"] == {"n": 7}
     assert worker.counts["retry"] == 2 and worker.counts["handled"] == 29
+
+
+def test_after_a_broker_outage_the_worker_consumes_and_dead_letters_again_and_stops_at_once(
+    app: Flask, amqp_url: str, broker_names: BrokerNames, tcp_proxy: ProxyFactory
+) -> None:
+    """Both of the worker's connections (consuming, dead letters) come back after a
+    cut, and a stop during an outage ends it without waiting for the broker."""
+
+    @idempotency.consumer("outage", max_attempts=1)
+    def handler(d: Delivery) -> None:
+        if d.payload["n"] == 1:
+            raise KeyError("poison")
+
+    parts = urlsplit(amqp_url)
+    proxy = tcp_proxy(parts.hostname or "127.0.0.1", parts.port or 5672)
+    exchange, queue = broker_names.exchange(), broker_names.queue("outage")
+    subscription = Subscription(handler, queue, ["thing.created"], exchange)
+    url = proxy.url_for(amqp_url)
+    worker = ConsumerWorker(app, url, [subscription], timeout=2.0, backoff=Backoff(0.1, 0.3))
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        for outage in range(2):
+            assert worker.connected.wait(10)
+            emit_many(app, 3)  # n = 0, 1, 2: the second is dead-lettered
+            Relay(app.extensions["idempotency"].store, Publisher(amqp_url, exchange)).run(once=True)
+            assert len(take_all(amqp_url, queue + ".dlq", expect=1, timeout=10)) == 1
+            proxy.cut()
+            wait_until(lambda: not worker.connected.is_set(), 10, "the worker to see the cut")
+            if outage == 0:
+                proxy.restore()
+        stopped = time.monotonic()
+        stop.set()
+        thread.join(5)
+        assert not thread.is_alive()
+        print(f"counts={dict(worker.counts)} stopped in {time.monotonic() - stopped:.2f} s")
+        assert time.monotonic() - stopped < 2
+        assert worker.counts["handled"] == 4 and worker.counts["dead_lettered"] == 2
+        assert worker.counts["reconnects"] >= 2
+    finally:
+        stop.set()
+        proxy.restore()
+        thread.join(10)

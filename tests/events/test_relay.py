@@ -21,7 +21,8 @@ from typing import Any
 from flask import Flask
 
 from flask_idempotency.events import Relay
-from flask_idempotency.events.amqp import Backoff, Publisher
+from flask_idempotency.events.amqp import Publisher
+from flask_idempotency.events.relay import Backoff
 from support.pg_query import query
 from support.servers import ProxyFactory
 from support.waiting import wait_until

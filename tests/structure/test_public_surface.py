@@ -90,7 +90,6 @@ def test_importing_the_package_loads_no_cli_completer_or_broker_module() -> None
         "flask_idempotency.events.amqp",
         "flask_idempotency.cli.relay",
         "flask_idempotency.events.consumer",
-        "flask_idempotency.events.embedded",
         "flask_idempotency.events.relay",
         "flask_idempotency.gunicorn",  # gunicorn.conf.py's, in the master
         "kombu",
