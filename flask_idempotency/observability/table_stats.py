@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from ..events import outbox
 from ..store.base import StoreUnavailableError
 
 if TYPE_CHECKING:
@@ -61,6 +62,16 @@ _TABLE_GAUGES = (
         "oldest_abandoned_age_seconds",
         "How long the oldest abandoned record's lease has been over",
         "oldest_abandoned_seconds",
+    ),
+    (
+        "outbox_pending_events",
+        "Events written by committed attempts and not yet published by the relay",
+        "pending",
+    ),
+    (
+        "outbox_oldest_pending_age_seconds",
+        "Age of the oldest event the relay has not published (the outbox's lag)",
+        "oldest_pending_seconds",
     ),
 )
 #: ``flask idempotency recover``'s totals (kept in PostgreSQL, so one figure for every
@@ -155,6 +166,8 @@ class TableStatsCollector:
         try:
             figures = self.store.stats()
             figures.update(self.store.recovery_stats())
+            pending = outbox.counts(self.store)
+            figures.update((k, pending[k]) for k in ("pending", "oldest_pending_seconds"))
             return figures
         except StoreUnavailableError as exc:
             log.warning("idempotency: table stats unavailable: %s", exc)

@@ -395,6 +395,28 @@ def test_table_stats_count_abandoned_and_recovered_records(
     assert figures["flask_idempotency_recovered_records_total"] == {"": 5}
     assert figures["flask_idempotency_recovery_released_records_total"] == {"": 2}
     assert figures["flask_idempotency_records_lease_expired"] == {"": 1}
+    assert figures["flask_idempotency_outbox_pending_events"] == {"": 0}
+    assert figures["flask_idempotency_outbox_oldest_pending_age_seconds"] == {"": 0}
+
+
+def test_table_stats_show_the_outbox_lag(make_app: MakeApp) -> None:
+    app = make_app()
+    store = app.extensions["idempotency"].store
+    with store.transaction() as conn, conn.cursor() as cur:
+        # Two events nobody published, the oldest written 90 s ago, and one published.
+        cur.execute(
+            "INSERT INTO idempotency_outbox (id, record_key, derived_key, event_type, payload,"
+            " expires_at, created_at, published_at) VALUES"
+            " ('e1', '\\x01', '\\x02', 'charge.created', '{}', now() + interval '1 d',"
+            "  now() - interval '90 s', NULL),"
+            " ('e2', '\\x01', '\\x03', 'charge.created', '{}', now() + interval '1 d',"
+            "  now(), NULL),"
+            " ('e3', '\\x01', '\\x04', 'charge.created', '{}', now() + interval '1 d',"
+            "  now() - interval '1 h', now())"
+        )
+    figures = gauges(TableStatsCollector(store, shared_dir=""))
+    assert figures["flask_idempotency_outbox_pending_events"] == {"": 2}
+    assert 89 <= figures["flask_idempotency_outbox_oldest_pending_age_seconds"][""] < 150
 
 
 def gauges(collector: TableStatsCollector) -> dict[str, dict[str, float]]:
