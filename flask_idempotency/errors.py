@@ -11,6 +11,7 @@ from typing import Any
 
 from werkzeug.exceptions import HTTPException
 
+from .profiles import PROBLEM_TYPE_BASE, SHOULD_RETRY_HEADER
 from .state import current_profile, current_retry_after
 from .store.base import SchemaMismatchError, StoreUnavailableError
 
@@ -26,6 +27,10 @@ class IdempotencyError(HTTPException):
     title = "Idempotency error"
     #: Whole seconds for ``Retry-After``; ``None`` leaves the header out.
     retry_after: int | None = None
+    #: Whether sending the same request again gets the same answer: in the
+    #: ``stripe`` profile such an error says ``Stripe-Should-Retry: false``, since
+    #: Stripe's SDKs retry every ``409`` and ``5xx`` unless told not to.
+    final = True
 
     def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
         super().__init__(description)
@@ -41,10 +46,10 @@ class IdempotencyError(HTTPException):
             }
         }
 
-    def problem(self, type_base: str) -> dict[str, Any]:
+    def problem(self) -> dict[str, Any]:
         """The error as RFC 9457 problem details (the ``ietf`` profile)."""
         return {
-            "type": type_base + self.error_code,
+            "type": PROBLEM_TYPE_BASE + self.error_code,
             "title": self.title,
             "status": self.code,
             "detail": self.description,
@@ -52,17 +57,15 @@ class IdempotencyError(HTTPException):
         }
 
     def get_body(self, environ: Any = None, scope: Any = None) -> str:
-        profile, type_base = current_profile()
-        if profile.problem_details:
-            return json.dumps(self.problem(type_base))
-        return json.dumps(self.body())
+        return json.dumps(self.body() if current_profile().stripe else self.problem())
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
-        profile, _ = current_profile()
-        media_type = "application/problem+json" if profile.problem_details else "application/json"
-        headers = [("Content-Type", media_type)]
+        stripe = current_profile().stripe
+        headers = [("Content-Type", "application/json" if stripe else "application/problem+json")]
         if self.retry_after is not None:
             headers.append(("Retry-After", str(self.retry_after)))
+        if stripe and self.final:
+            headers.append((SHOULD_RETRY_HEADER, "false"))
         return headers
 
 
@@ -133,6 +136,7 @@ class RequestInProgress(IdempotencyError):
     error_code = "in_progress"
     description = "A request with this Idempotency-Key is still being processed; retry later."
     retry_after = 1
+    final = False
 
 
 class LeaseLost(IdempotencyError):
@@ -144,6 +148,7 @@ class LeaseLost(IdempotencyError):
         "Idempotency-Key took over; nothing of this attempt was kept. Retry to get the result."
     )
     retry_after = 1
+    final = False
 
 
 class StoreUnavailable(IdempotencyError, StoreUnavailableError):
@@ -159,6 +164,7 @@ class StoreUnavailable(IdempotencyError, StoreUnavailableError):
     title = "Idempotency store unavailable"
     error_code = "store_unavailable"
     description = "The idempotency store is unavailable; the request was not processed."
+    final = False
 
     def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
         super().__init__(description, retry_after=retry_after)
@@ -233,6 +239,7 @@ class DrillFailure(IdempotencyError):
     title = "Attempt failed by a test drill"
     error_code = "drill_failure"
     description = "This attempt was failed on purpose by a test drill; nothing was kept."
+    final = False
 
 
 class ResponseTooLarge(IdempotencyError):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from flask import Response
 
-from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, STRIPE, Profile
+from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, SHOULD_RETRY_HEADER, STRIPE, Profile
 from .store.base import StoredResponse
 
 #: The default (stripe) profile's marker; the ietf profile's is ``Idempotency-Replayed``.
@@ -48,8 +48,15 @@ NOT_STORED_HEADERS = frozenset(
 #: but the marker of an omitted body, which the stored answer carries on purpose.
 NOT_REPLAYED_HEADERS = NOT_STORED_HEADERS - {OMITTED_HEADER.lower()}
 
-#: Every response header the extension may set, for ``Access-Control-Expose-Headers``.
-EXPOSED_HEADERS = (STRIPE.replayed_header, IETF.replayed_header, OMITTED_HEADER, "Retry-After")
+#: Every response header the extension may set, for ``Access-Control-Expose-Headers``
+#: (with the key header, which the ``stripe`` profile echoes).
+EXPOSED_HEADERS = (
+    STRIPE.replayed_header,
+    IETF.replayed_header,
+    OMITTED_HEADER,
+    "Retry-After",
+    SHOULD_RETRY_HEADER,
+)
 
 #: PostgreSQL's ``smallint``, the column of a stored status.
 _STATUS_RANGE = range(-32768, 32768)
@@ -208,17 +215,24 @@ def replay(
 
 def mark_original(response: Response, profile: Profile) -> None:
     """Mark an answer the view produced, where the profile does (Stripe's ``false``)."""
-    if profile.mark_originals:
+    if profile.stripe:
         response.headers[profile.replayed_header] = "false"
 
 
-def expose_headers(response: Response) -> None:
+def echo_key(response: Response, key_header: str, raw_key: str) -> None:
+    """Send the request's key back, as Stripe does and its SDKs read: as the client
+    sent it (it was checked to be visible ASCII), on any answer to a keyed request.
+    Never stored: a replay gets the key of the request it answers."""
+    response.headers[key_header] = raw_key.strip(" \t")
+
+
+def expose_headers(response: Response, key_header: str) -> None:
     """Add the extension's headers to ``Access-Control-Expose-Headers`` (CORS)."""
     present = {
         name.strip().lower()
         for value in response.headers.get_all("Access-Control-Expose-Headers")
         for name in value.split(",")
     }
-    missing = [h for h in EXPOSED_HEADERS if h.lower() not in present]
+    missing = [h for h in (*EXPOSED_HEADERS, key_header) if h.lower() not in present]
     if missing:
         response.headers.add("Access-Control-Expose-Headers", ", ".join(missing))

@@ -128,10 +128,6 @@ class Settings:
     #: ``"stripe"`` (JSON errors, ``Idempotent-Replayed: true|false``) or ``"ietf"``
     #: (RFC 9457 problem details, ``Idempotency-Replayed: true`` on replays only).
     profile: str = "stripe"
-    #: Prefix of a problem's ``type`` (ietf profile), completed by the error code. Not
-    #: a key: RFC 9457 asks only that a type be a stable URI, and a URN is one; the
-    #: ``code`` member is what clients branch on.
-    problem_type_base: ClassVar[str] = "urn:flask-idempotency:error:"
     #: ``IDEMPOTENCY_OVERSIZE``: an answer whose body is over ``MAX_STORED_BODY``.
     #: ``"omit_body"``: kept and stored without its body; the client gets it whole,
     #: retries get its status and headers with ``Idempotency-Body-Omitted: true``. A
