@@ -20,7 +20,7 @@ from typing import Any
 
 from flask import Request
 
-from .settings import OVERSIZE_CHOICES, FingerprintFunc, ScopeFunc, Settings, ShouldStore
+from .settings import CHOICES, FingerprintFunc, ScopeFunc, Settings, ShouldStore
 
 log = logging.getLogger("flask_idempotency.recovery")
 
@@ -126,9 +126,9 @@ def route_options(
             "idempotency route option recovery_data= is only kept for recover=: "
             "give the recovery function too"
         )
-    if oversize is not None and oversize not in OVERSIZE_CHOICES:
+    if oversize is not None and oversize not in CHOICES["oversize"]:
         raise ValueError(
-            f"idempotency route option oversize= must be one of {', '.join(OVERSIZE_CHOICES)}"
+            f"idempotency route option oversize= must be one of {', '.join(CHOICES['oversize'])}"
         )
     options = RouteOptions(
         required,

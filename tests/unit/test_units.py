@@ -123,6 +123,9 @@ def test_settings_are_read_and_validated() -> None:
         {"database_url": "postgresql://x", "ttl": timedelta(hours=1), "lease": "10", "wait": 0}
     )
     assert settings.ttl == 3600 and settings.lease == 10 and settings.renew_interval == 10 / 3
+    # None is the default of any setting but a function (an unset environment variable).
+    defaults = settings_from_config({"database_url": "x", "ttl": None, "key_header": None})
+    assert (defaults.ttl, defaults.key_header) == (86400.0, "Idempotency-Key")
     bad_configs = [
         ({}, "DATABASE_URL"),
         ({"database_url": "x", "ttl": -1}, "TTL"),
@@ -130,6 +133,10 @@ def test_settings_are_read_and_validated() -> None:
         ({"database_url": "x", "ttl": 5, "lease": 10}, "at least"),
         ({"database_url": "x", "lease_renew_interval": 60}, "RENEW"),
         ({"database_url": "x", "scope_func": "nope"}, "callable"),
+        ({"database_url": "x", "scope_func": None}, "SCOPE_FUNC must be callable"),
+        ({"database_url": "x", "wait": True}, "WAIT must be a number of seconds"),
+        ({"database_url": "x", "retry_after": "1.5"}, "RETRY_AFTER must be an integer"),
+        ({"database_url": "x", "wait": -1}, "WAIT must not be negative"),
         ({"database_url": "x", "no_such_key": 1}, "Unknown"),
         ({"database_url": "x", "auto_migrate": "maybe"}, "boolean"),
     ]
