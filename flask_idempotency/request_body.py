@@ -35,7 +35,7 @@ from flask import Request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from .errors import MalformedBody
-from .fingerprint import FINGERPRINT_ENVIRON_KEY, canonical_body, is_json_mimetype, start
+from .fingerprint import FINGERPRINT_ENVIRON_KEY, Fingerprinter, canonical_body, is_json_mimetype
 
 log = logging.getLogger("flask_idempotency.requests")
 
@@ -59,7 +59,7 @@ def read_body(request: Request) -> None:
     The fingerprint goes into the request's environ for the default fingerprint
     function (``fingerprint.request_fingerprint``).
     """
-    digest = start(request.method, request.path, request.query_string)
+    digest = Fingerprinter(request.method, request.path, request.query_string)
     json = is_json_mimetype(request.mimetype)
     try:
         stream = request.stream
