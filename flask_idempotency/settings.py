@@ -114,10 +114,6 @@ class Settings:
     redis_breaker_threshold: int = 3
     #: ``IDEMPOTENCY_REDIS_OPTIONS["breaker_cooldown"]``: seconds Redis is skipped once open.
     redis_breaker_cooldown: float = 5.0
-    #: Bodies above this many bytes are zlib-compressed in Redis. Not a key: a detail
-    #: of the cache's encoding (deflating a few kB costs less than sending them),
-    #: not a deployment decision.
-    redis_compress_over: ClassVar[int] = 4096
     #: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]``: when a completed response is copied to Redis.
     #: ``"replay"`` (the default): the first time it is replayed from PostgreSQL;
     #: first requests skip the SET, and Redis holds only keys that were retried

@@ -83,12 +83,12 @@ class Entry(NamedTuple):
 
 
 def encode(
-    fingerprint: bytes, response: StoredResponse, *, expires_at: int, compress_over: int
+    fingerprint: bytes, response: StoredResponse, *, expires_at: int, compress_over: int = 4096
 ) -> bytes:
     """Frame one completed response that may be replayed until ``expires_at``
-    (Unix ms). Bodies above ``compress_over`` bytes are deflated when that makes
-    them smaller (random or already-compressed bodies do not shrink, and then
-    are kept as they are)."""
+    (Unix ms). Bodies above ``compress_over`` bytes (4 kB: deflating a few kB
+    costs less than sending them) are deflated when that makes them smaller
+    (random or already-compressed bodies do not shrink, and are kept as they are)."""
     body = response.body
     flags = 0
     if len(body) > compress_over:
