@@ -191,9 +191,11 @@ class SchemaMissing(IdempotencyError, SchemaMismatchError):
         "the request was not processed."
     )
 
+    #: No schema at all, rather than an older one (:class:`SchemaOutdated`).
+    missing = True
+
     def __init__(self, description: str | None = None, *, detail: str = "") -> None:
         IdempotencyError.__init__(self, description)
-        self.missing = True
         #: What the operator needs (the missing object and the command); for logs
         #: and ``except`` clauses, never sent to the client.
         self.detail = detail
@@ -208,10 +210,7 @@ class SchemaOutdated(SchemaMissing):
     description = (
         "The server's idempotency store has an outdated schema; the request was not processed."
     )
-
-    def __init__(self, description: str | None = None, *, detail: str = "") -> None:
-        super().__init__(description, detail=detail)
-        self.missing = False
+    missing = False
 
 
 def from_store_error(exc: StoreUnavailableError, retry_after: int) -> IdempotencyError:

@@ -102,19 +102,11 @@ def storable(stored: StoredResponse) -> bool:
     ``"\\u0000"`` or ``"\\ud800"`` from a JSON body) is refused as itself, not as
     an outage that a client would retry, running the view each time.
     """
-    if stored.status not in _STATUS_RANGE:
+    text = "".join(name + value for name, value in stored.headers)
+    if stored.status not in _STATUS_RANGE or "\x00" in text:
         return False
-    for name, value in stored.headers:
-        for text in (name, value):
-            if "\x00" in text or not (text.isascii() or _encodable(text)):
-                return False
-    return True
-
-
-def _encodable(text: str) -> bool:
-    """Whether ``text`` is valid Unicode text (no surrogate code points)."""
     try:
-        text.encode("utf-8")
+        text.encode("utf-8")  # refuses a lone surrogate
     except UnicodeEncodeError:
         return False
     return True
