@@ -15,8 +15,6 @@ from .digests import derived_key as derived_key  # re-exported: their old home
 from .digests import log_key as log_key
 from .digests import record_key as record_key
 from .errors import InvalidKey, MissingKey, ScopeUnavailable
-from .scopes import authorization_digest
-from .scopes import default_scope as default_scope  # re-exported: its old home
 
 log = logging.getLogger("flask_idempotency.requests")
 
@@ -114,9 +112,3 @@ def resolve_scope(scope_func: Callable[[Request], str | None], request: Request)
         f"the idempotency scope function {name} returned {type(scope).__name__}; "
         "it must return a str, or None when the request names no principal"
     )
-
-
-def default_scope_from_header(authorization: str) -> str:
-    """The scope :func:`~flask_idempotency.scopes.authorization_scope` gives a
-    non-empty ``Authorization`` value (its SHA-256, as records have always used)."""
-    return authorization_digest(authorization)
