@@ -28,6 +28,7 @@ Works with the ``postgresql+psycopg2://`` and ``postgresql+psycopg://`` dialects
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
@@ -98,11 +99,8 @@ def upgrade_schema(op: Operations, *, extra_dirs: Sequence[str] = ()) -> list[st
     as ``flask idempotency migrate``, so the two agree. Call it from a new
     revision again after upgrading flask-idempotency to apply its new files.
     """
-    cursor = _cursor(op, "upgrade_schema")
-    try:
+    with contextlib.closing(_cursor(op, "upgrade_schema")) as cursor:
         applied = migrations.apply_in_transaction(cursor, migrations.all_migrations(extra_dirs))
-    finally:
-        cursor.close()
     for name in applied:
         log.info("applied %s", name)
     return applied
@@ -112,11 +110,8 @@ def downgrade_schema(op: Operations) -> None:
     """Drop the extension's tables, with every stored answer and pending event,
     and its functions, in the running Alembic revision's transaction: the
     downgrade of the revision that called :func:`upgrade_schema` first."""
-    cursor = _cursor(op, "downgrade_schema")
-    try:
+    with contextlib.closing(_cursor(op, "downgrade_schema")) as cursor:
         migrations.drop_in_transaction(cursor)
-    finally:
-        cursor.close()
 
 
 def _cursor(op: Operations, caller: str) -> DBAPICursor:

@@ -37,27 +37,14 @@ class IdempotencyError(HTTPException):
         if retry_after is not None:
             self.retry_after = max(0, int(retry_after))
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "type": self.error_type,
-                "code": self.error_code,
-                "message": self.description,
-            }
-        }
-
-    def problem(self) -> dict[str, Any]:
-        """The error as RFC 9457 problem details (the ``ietf`` profile)."""
-        return {
-            "type": PROBLEM_TYPE_BASE + self.error_code,
-            "title": self.title,
-            "status": self.code,
-            "detail": self.description,
-            "code": self.error_code,
-        }
-
     def get_body(self, environ: Any = None, scope: Any = None) -> str:
-        return json.dumps(self.body() if current_profile().stripe else self.problem())
+        """The contract's JSON error, or RFC 9457 problem details (``ietf`` profile)."""
+        if current_profile().stripe:
+            error = {"type": self.error_type, "code": self.error_code, "message": self.description}
+            return json.dumps({"error": error})
+        problem: dict[str, Any] = {"type": PROBLEM_TYPE_BASE + self.error_code, "title": self.title}
+        problem.update(status=self.code, detail=self.description, code=self.error_code)
+        return json.dumps(problem)
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
         stripe = current_profile().stripe

@@ -18,17 +18,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 from flask import Flask
 
 from .state import find_app_state
 
 log = logging.getLogger("flask_idempotency")
-
-
-class _Logger(Protocol):
-    def warning(self, msg: str, *args: Any) -> None: ...
 
 
 def find_flask_app(wsgi: Any) -> Flask | None:
@@ -57,8 +53,9 @@ def pool_capacity(app: Flask) -> tuple[int, str] | None:
     return state.store.pool.capacity()
 
 
-def check_pool_size(app: Flask, threads: int, log: _Logger = log) -> bool:
-    """Warn (and return False) if fewer connections than ``threads`` serve requests."""
+def check_pool_size(app: Flask, threads: int, log: Any = log) -> bool:
+    """Warn (and return False) if fewer connections than ``threads`` serve requests;
+    ``log``: anything with a ``warning(msg, *args)`` (gunicorn's worker log)."""
     found = pool_capacity(app)
     if found is None:
         return True

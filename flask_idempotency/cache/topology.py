@@ -32,8 +32,8 @@ import redis.cluster
 import redis.retry
 import redis.sentinel
 
-SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+#: Each scheme, and the kind of deployment it names.
+SCHEMES = {f"{tls}+{kind}": kind for tls in ("redis", "rediss") for kind in ("sentinel", "cluster")}
 #: Sentinel's own port when a host names none.
 SENTINEL_PORT = 26379
 CLUSTER_PORT = 6379
@@ -53,8 +53,7 @@ class TopologyURL:
 
 
 def is_topology_url(url: str) -> bool:
-    scheme = url.partition("://")[0].lower()
-    return scheme in SENTINEL_SCHEMES or scheme in CLUSTER_SCHEMES
+    return url.partition("://")[0].lower() in SCHEMES
 
 
 def parse(url: str) -> TopologyURL:
@@ -62,9 +61,9 @@ def parse(url: str) -> TopologyURL:
     (naming what is wrong, never the password) if it is malformed."""
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
-    if not sep or not (scheme in SENTINEL_SCHEMES or scheme in CLUSTER_SCHEMES):
+    kind = SCHEMES.get(scheme)
+    if not sep or kind is None:
         raise ValueError(f"not a redis+sentinel:// or redis+cluster:// URL: {scheme}://")
-    kind = "sentinel" if scheme in SENTINEL_SCHEMES else "cluster"
     if "?" in rest or "#" in rest:
         raise ValueError(
             f"{scheme}:// URLs take no query options; pass a client as IDEMPOTENCY_REDIS "
