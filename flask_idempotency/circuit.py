@@ -81,11 +81,6 @@ class CircuitBreaker:
         does not keep the breaker half-open forever: after another cooldown a
         new trial is granted.
         """
-        seen = self._state
-        if seen is BreakerState.CLOSED:
-            # Every statement asks: no lock for the common answer. A failure racing
-            # this read is ordered after it, as it would be after the lock.
-            return True
         with self._lock:
             if self._state is BreakerState.CLOSED:
                 return True
@@ -102,9 +97,6 @@ class CircuitBreaker:
             return True
 
     def success(self) -> Transition:
-        seen = self._state
-        if seen is BreakerState.CLOSED and not self._failures:
-            return Transition.NONE  # nothing to reset: no lock on the hot path
         with self._lock:
             if self._state is BreakerState.HALF_OPEN:
                 self._state = BreakerState.CLOSED

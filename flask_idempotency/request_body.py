@@ -61,14 +61,16 @@ def read_body(request: Request) -> None:
     """
     digest = Fingerprinter(request.method, request.path, request.query_string)
     json = is_json_mimetype(request.mimetype)
+    held: list[bytes] = []  # a JSON body, compared after parsing
+    bound = None
+    if json:
+        bound = request.max_content_length
+        if bound is None:
+            bound = MAX_JSON_BODY
+            if (request.content_length or 0) > bound:
+                raise RequestEntityTooLarge()  # as Werkzeug does for MAX_CONTENT_LENGTH
     try:
-        stream = request.stream
-        if json:
-            body = _read_json(request, stream)
-            size = len(body)
-            digest.update(canonical_body(request.mimetype, body))
-        else:
-            size = _spool(request, stream, digest.update)
+        size = _spool(request, request.stream, held.append if json else digest.update, bound)
     except RequestEntityTooLarge:
         raise  # a declared length over the limit, or a chunked body that reached it: 413
     except Exception as exc:  # the server's parser refused the framing, or a disconnect
@@ -81,34 +83,16 @@ def read_body(request: Request) -> None:
         # error, so the view would act on part of a request.
         log.info("idempotency: request body shorter than its Content-Length")
         raise MalformedBody()
+    if json:
+        digest.update(canonical_body(request.mimetype, b"".join(held)))
     request.environ[FINGERPRINT_ENVIRON_KEY] = digest.finish(request.mimetype)
 
 
-def _read_json(request: Request, stream: IO[bytes]) -> bytes:
-    """The whole JSON body, within its bound; the view's stream reads it again."""
-    bound = request.max_content_length
-    if bound is None:
-        bound = MAX_JSON_BODY
-        if (request.content_length or 0) > bound:
-            raise RequestEntityTooLarge()  # as Werkzeug does for MAX_CONTENT_LENGTH
-    chunks: list[bytes] = []
-    size = 0
-    for chunk in _chunks(stream, request.content_length):
-        size += len(chunk)
-        if size > bound:
-            raise RequestEntityTooLarge()  # chunked, so only known now
-        chunks.append(chunk)
-    if not chunks:
-        return _read_before(request)
-    body = b"".join(chunks)
-    # Documented by Werkzeug: setting ``stream`` sets the cached value. get_data(),
-    # get_json() and form then read it as they would have read the client's.
-    request.stream = io.BytesIO(body)
-    return body
-
-
-def _spool(request: Request, stream: IO[bytes], feed: Callable[[bytes], object]) -> int:
-    """Feed the body to ``feed`` as it arrives, keep a copy for the view; its size."""
+def _spool(
+    request: Request, stream: IO[bytes], feed: Callable[[bytes], object], bound: int | None
+) -> int:
+    """Feed the body to ``feed`` as it arrives, keep a copy for the view; its size.
+    Over ``bound`` bytes (a JSON body, held whole) it is refused with ``413``."""
     chunks = _chunks(stream, request.content_length)
     first = next(chunks, b"")
     if not first:
@@ -121,11 +105,15 @@ def _spool(request: Request, stream: IO[bytes], feed: Callable[[bytes], object])
     weakref.finalize(request, spool.close)
     size = 0
     for chunk in itertools.chain((first,), chunks):
+        size += len(chunk)
+        if bound is not None and size > bound:
+            raise RequestEntityTooLarge()  # chunked, so only known now
         feed(chunk)
         spool.write(chunk)
-        size += len(chunk)
     spool.seek(0)
-    request.stream = spool  # see _read_json
+    # Documented by Werkzeug: setting ``stream`` sets the cached value. get_data(),
+    # get_json() and form then read it as they would have read the client's.
+    request.stream = spool
     return size
 
 

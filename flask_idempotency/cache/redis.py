@@ -264,11 +264,6 @@ class RedisCache:
         except Exception as exc:
             log.debug("idempotency: dropping idle redis connections failed: %s", exc)
 
-    def __repr__(self) -> str:
-        state = self.breaker.state
-        suffix = "" if state is BreakerState.CLOSED else f" breaker={state.value}"
-        return f"<RedisCache prefix={self.prefix!r}{suffix}>"
-
 
 def client_for_settings(settings: Settings) -> tuple[Any, bool]:
     """The client ``IDEMPOTENCY_REDIS`` or ``IDEMPOTENCY_REDIS_URL`` names, and
