@@ -184,9 +184,8 @@ class Settings:
 
     @property
     def renew_interval(self) -> float:
-        if self.lease_renew_interval is None:
-            return self.lease / 3.0
-        return self.lease_renew_interval
+        interval = self.lease_renew_interval
+        return self.lease / 3.0 if interval is None else interval
 
     @functools.cached_property
     def key_environ_name(self) -> str:

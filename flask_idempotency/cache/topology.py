@@ -99,16 +99,12 @@ def parse(url: str) -> TopologyURL:
 
 
 def _node(text: str, default_port: int, scheme: str) -> tuple[str, int]:
-    text = text.strip()
-    if not text:
-        raise ValueError(f"{scheme}:// names an empty host")
-    if text.startswith("["):  # [IPv6]:port
-        host, _, port = text[1:].partition("]")
+    host, port = text.strip(), ""
+    if host.startswith("["):  # [IPv6]:port
+        host, _, port = host[1:].partition("]")
         port = port.removeprefix(":")
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
-    else:
-        host, port = text, ""
+    elif host.count(":") == 1:
+        host, _, port = host.partition(":")
     if not host:
         raise ValueError(f"{scheme}:// names an empty host")
     return host, _whole(port, f"{scheme}:// port") if port else default_port
