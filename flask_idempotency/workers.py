@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -112,12 +113,7 @@ def gunicorn_workers() -> int | None:
 
 def _stacks() -> Iterator[FrameType]:
     """Every frame of this thread's stack, then of the main thread's."""
-    starts = [sys._getframe(1)]
+    yield from (frame for frame, _ in traceback.walk_stack(None))
     main = sys._current_frames().get(threading.main_thread().ident or 0)
     if main is not None:
-        starts.append(main)
-    for start in starts:
-        frame: FrameType | None = start
-        while frame is not None:
-            yield frame
-            frame = frame.f_back
+        yield from (frame for frame, _ in traceback.walk_stack(main))
