@@ -6,6 +6,7 @@ code in the application.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 
@@ -84,13 +85,9 @@ def answer_only(stored: StoredResponse, not_replayed: tuple[str, ...]) -> Stored
     """``stored`` without the headers that belong to the request rather than the
     answer (CORS's, by default): the app's own layers add this request's on a replay,
     so a retry from a second allowed origin is not handed the first one's."""
-    if not not_replayed:
-        return stored
     matches = per_request(not_replayed)
     headers = tuple(pair for pair in stored.headers if not matches(pair[0]))
-    if len(headers) == len(stored.headers):
-        return stored
-    return StoredResponse(stored.status, headers, stored.body)
+    return dataclasses.replace(stored, headers=headers)
 
 
 def storable(stored: StoredResponse) -> bool:
