@@ -29,6 +29,7 @@ Works with the ``postgresql+psycopg2://`` and ``postgresql+psycopg://`` dialects
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
@@ -46,17 +47,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_registered = False
 
-
+@functools.cache  # once per process: calling it again does nothing
 def register_autogenerate_filter() -> None:
     """Make Alembic's autogenerate leave the extension's tables alone, in every
     migration environment of this process. Done when this module is imported;
     calling it again does nothing."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
     try:
         from alembic.util import DispatchPriority
     except ImportError:  # Alembic < 1.18: comparators run in the order registered,

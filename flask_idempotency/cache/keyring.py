@@ -128,9 +128,6 @@ class LazyKeyring:
 
     def get(self) -> Keyring | None:
         """The keyring, or ``None`` while the identity cannot be read (a miss)."""
-        ring = self._ring
-        if ring is not None:
-            return ring
         with self._lock:
             if self._ring is not None:
                 return self._ring
