@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable
 
 from flask import Response
 
@@ -150,7 +151,10 @@ def _buffer_stream(response: Response, max_body: int, omit_oversize: bool) -> by
             if size > max_body:
                 if not omit_oversize:
                     raise NotStorable(f"streamed body over the limit of {max_body} bytes")
-                response.response = _Rejoined(chunks, encoded, source)
+                # The chunks already read, then the rest of the stream; its source is
+                # closed when the response is (Werkzeug's documented call_on_close).
+                response.response = itertools.chain(chunks, encoded)
+                response.call_on_close(lambda: _close(source))
                 response.direct_passthrough = False
                 return None
     except BaseException:
@@ -162,22 +166,6 @@ def _buffer_stream(response: Response, max_body: int, omit_oversize: bool) -> by
     response.direct_passthrough = False
     response.set_data(body)
     return body
-
-
-class _Rejoined:
-    """The chunks already read, then the rest of the stream; closes its source."""
-
-    def __init__(self, head: list[bytes], rest: Iterator[bytes], source: object) -> None:
-        self._head = head
-        self._rest = rest
-        self._source = source
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self._head
-        yield from self._rest
-
-    def close(self) -> None:
-        _close(self._source)
 
 
 def _close(source: object) -> None:
