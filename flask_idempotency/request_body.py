@@ -96,7 +96,10 @@ def _spool(
     chunks = _chunks(stream, request.content_length)
     first = next(chunks, b"")
     if not first:
-        body = _read_before(request)
+        # Empty, or read before the view (a before_request that called get_data() or
+        # get_json(), which Werkzeug cached; one that parsed form leaves nothing, as
+        # without us).
+        body = request.get_data(cache=True)
         feed(body)
         return len(body)
     spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)
@@ -129,13 +132,6 @@ def _chunks(stream: IO[bytes], declared: int | None) -> Iterator[bytes]:
         if remaining is not None:
             remaining -= len(chunk)
         yield chunk
-
-
-def _read_before(request: Request) -> bytes:
-    """The body when its stream has nothing left: empty, or read before the view
-    (a ``before_request`` that called ``get_data()`` or ``get_json()``, which
-    Werkzeug cached; one that parsed ``form`` leaves nothing, as without us)."""
-    return request.get_data(cache=True)
 
 
 def whole_body(request: Request) -> bytes:
