@@ -70,11 +70,9 @@ def parse(url: str) -> TopologyURL:
             "for options beyond the timeout"
         )
     netloc, _, path = rest.partition("/")
-    username = password = None
-    if "@" in netloc:
-        userinfo, netloc = netloc.rsplit("@", 1)
-        user, _, secret = userinfo.partition(":")
-        username, password = unquote(user) or None, unquote(secret) or None
+    userinfo, _, netloc = netloc.rpartition("@")
+    user, _, secret = userinfo.partition(":")
+    username, password = unquote(user) or None, unquote(secret) or None
     default_port = SENTINEL_PORT if kind == "sentinel" else CLUSTER_PORT
     nodes = tuple(_node(part, default_port, scheme) for part in netloc.split(","))
     parts = [p for p in path.split("/") if p]
