@@ -38,7 +38,8 @@ class Transition(enum.Enum):
 class CircuitBreaker:
     """Closed -> ``threshold`` consecutive failures -> open -> ``cooldown`` -> half-open.
 
-    Thread-safe: one lock around a few comparisons, never held during a call.
+    Thread-safe: one lock around a few comparisons, never held during a call. Its
+    threshold and cooldown are the settings' (checked at ``init_app``).
     """
 
     def __init__(
@@ -48,10 +49,6 @@ class CircuitBreaker:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if threshold < 1:
-            raise ValueError("the breaker threshold must be at least 1")
-        if cooldown < 0:
-            raise ValueError("the breaker cooldown must not be negative")
         self.threshold = threshold
         self.cooldown = cooldown
         self.clock = clock
