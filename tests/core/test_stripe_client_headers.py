@@ -2,8 +2,8 @@
 
 Stripe echoes a request's ``Idempotency-Key`` on its answers, and its SDKs retry
 every ``409`` and ``5xx`` unless the answer says ``Stripe-Should-Retry: false``.
-So, in the ``stripe`` profile: every answer to a keyed request (first answer,
-replay, the extension's own errors once the key was read) carries the key back,
+So, in the ``stripe`` profile: every answer to a keyed request once its scope and
+body are read (first answer, replay, the extension's own errors) carries the key back,
 and the extension's errors that the same request sent again cannot change (its
 ``400``s, ``422``, the final ``500``s) say ``Stripe-Should-Retry: false``. The
 ``ietf`` profile sends neither. Neither header is stored: a replay stays the
