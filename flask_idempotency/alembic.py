@@ -28,6 +28,8 @@ Works with the ``postgresql+psycopg2://`` and ``postgresql+psycopg://`` dialects
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
@@ -45,17 +47,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_registered = False
 
-
+@functools.cache  # once per process: calling it again does nothing
 def register_autogenerate_filter() -> None:
     """Make Alembic's autogenerate leave the extension's tables alone, in every
     migration environment of this process. Done when this module is imported;
     calling it again does nothing."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
     try:
         from alembic.util import DispatchPriority
     except ImportError:  # Alembic < 1.18: comparators run in the order registered,
@@ -98,11 +95,8 @@ def upgrade_schema(op: Operations, *, extra_dirs: Sequence[str] = ()) -> list[st
     as ``flask idempotency migrate``, so the two agree. Call it from a new
     revision again after upgrading flask-idempotency to apply its new files.
     """
-    cursor = _cursor(op, "upgrade_schema")
-    try:
+    with contextlib.closing(_cursor(op, "upgrade_schema")) as cursor:
         applied = migrations.apply_in_transaction(cursor, migrations.all_migrations(extra_dirs))
-    finally:
-        cursor.close()
     for name in applied:
         log.info("applied %s", name)
     return applied
@@ -112,11 +106,8 @@ def downgrade_schema(op: Operations) -> None:
     """Drop the extension's tables, with every stored answer and pending event,
     and its functions, in the running Alembic revision's transaction: the
     downgrade of the revision that called :func:`upgrade_schema` first."""
-    cursor = _cursor(op, "downgrade_schema")
-    try:
+    with contextlib.closing(_cursor(op, "downgrade_schema")) as cursor:
         migrations.drop_in_transaction(cursor)
-    finally:
-        cursor.close()
 
 
 def _cursor(op: Operations, caller: str) -> DBAPICursor:

@@ -77,36 +77,34 @@ def ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
     silently run with the default, and a warning is easy to miss in a deploy log.
     """
     flat: dict[str, Any] = {}
+    groups: dict[str, Any] = {}
     for raw_name, value in config.items():
         name = raw_name.lower()
         if name in OPTION_GROUPS:
-            continue
-        if name in GROUPED:
+            groups[name] = value
+        elif name in GROUPED:
             raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: use {config_key(name)}")
-        if name in REMOVED_KEYS:
+        elif name in REMOVED_KEYS:
             raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: {REMOVED_KEYS[name]}")
-        flat[name] = value
-    for group, options in OPTION_GROUPS.items():
-        raw = config.get(group.upper(), config.get(group))
+        else:
+            flat[name] = value
+    for group, raw in groups.items():
         if raw is None:
             continue
         if not isinstance(raw, Mapping):
             raise ValueError(f"IDEMPOTENCY_{group.upper()} must be a mapping, got {raw!r}")
-        extra: dict[str, Any] = {}
         for option, value in raw.items():
-            field = options.get(str(option))
+            field = OPTION_GROUPS[group].get(str(option))
             gone = REMOVED_OPTIONS.get((group, str(option)))
             if gone is not None:
                 raise ValueError(f"IDEMPOTENCY_{group.upper()}[{option!r}] was removed: {gone}")
-            if field is None:
-                if group != "database_options":
-                    raise ValueError(
-                        f"Unknown option {option!r} in IDEMPOTENCY_{group.upper()} "
-                        f"(known: {', '.join(sorted(options))})"
-                    )
-                extra[str(option)] = value  # a libpq connection parameter
-                continue
-            flat[field] = value
-        if extra:
-            flat["connect_kwargs"] = extra
+            if field is not None:
+                flat[field] = value
+            elif group == "database_options":  # a libpq connection parameter
+                flat.setdefault("connect_kwargs", {})[str(option)] = value
+            else:
+                raise ValueError(
+                    f"Unknown option {option!r} in IDEMPOTENCY_{group.upper()} "
+                    f"(known: {', '.join(sorted(OPTION_GROUPS[group]))})"
+                )
     return flat

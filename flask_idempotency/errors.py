@@ -11,6 +11,7 @@ from typing import Any
 
 from werkzeug.exceptions import HTTPException
 
+from .profiles import PROBLEM_TYPE_BASE, SHOULD_RETRY_HEADER
 from .state import current_profile, current_retry_after
 from .store.base import SchemaMismatchError, StoreUnavailableError
 
@@ -26,43 +27,32 @@ class IdempotencyError(HTTPException):
     title = "Idempotency error"
     #: Whole seconds for ``Retry-After``; ``None`` leaves the header out.
     retry_after: int | None = None
+    #: Whether sending the same request again gets the same answer: in the
+    #: ``stripe`` profile such an error says ``Stripe-Should-Retry: false``, since
+    #: Stripe's SDKs retry every ``409`` and ``5xx`` unless told not to.
+    final = True
 
     def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
         super().__init__(description)
         if retry_after is not None:
             self.retry_after = max(0, int(retry_after))
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "type": self.error_type,
-                "code": self.error_code,
-                "message": self.description,
-            }
-        }
-
-    def problem(self, type_base: str) -> dict[str, Any]:
-        """The error as RFC 9457 problem details (the ``ietf`` profile)."""
-        return {
-            "type": type_base + self.error_code,
-            "title": self.title,
-            "status": self.code,
-            "detail": self.description,
-            "code": self.error_code,
-        }
-
     def get_body(self, environ: Any = None, scope: Any = None) -> str:
-        profile, type_base = current_profile()
-        if profile.problem_details:
-            return json.dumps(self.problem(type_base))
-        return json.dumps(self.body())
+        """The contract's JSON error, or RFC 9457 problem details (``ietf`` profile)."""
+        if current_profile().stripe:
+            error = {"type": self.error_type, "code": self.error_code, "message": self.description}
+            return json.dumps({"error": error})
+        problem: dict[str, Any] = {"type": PROBLEM_TYPE_BASE + self.error_code, "title": self.title}
+        problem.update(status=self.code, detail=self.description, code=self.error_code)
+        return json.dumps(problem)
 
     def get_headers(self, environ: Any = None, scope: Any = None) -> list[tuple[str, str]]:
-        profile, _ = current_profile()
-        media_type = "application/problem+json" if profile.problem_details else "application/json"
-        headers = [("Content-Type", media_type)]
+        stripe = current_profile().stripe
+        headers = [("Content-Type", "application/json" if stripe else "application/problem+json")]
         if self.retry_after is not None:
             headers.append(("Retry-After", str(self.retry_after)))
+        if stripe and self.final:
+            headers.append((SHOULD_RETRY_HEADER, "false"))
         return headers
 
 
@@ -133,6 +123,7 @@ class RequestInProgress(IdempotencyError):
     error_code = "in_progress"
     description = "A request with this Idempotency-Key is still being processed; retry later."
     retry_after = 1
+    final = False
 
 
 class LeaseLost(IdempotencyError):
@@ -144,6 +135,7 @@ class LeaseLost(IdempotencyError):
         "Idempotency-Key took over; nothing of this attempt was kept. Retry to get the result."
     )
     retry_after = 1
+    final = False
 
 
 class StoreUnavailable(IdempotencyError, StoreUnavailableError):
@@ -159,6 +151,7 @@ class StoreUnavailable(IdempotencyError, StoreUnavailableError):
     title = "Idempotency store unavailable"
     error_code = "store_unavailable"
     description = "The idempotency store is unavailable; the request was not processed."
+    final = False
 
     def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
         super().__init__(description, retry_after=retry_after)
@@ -185,9 +178,11 @@ class SchemaMissing(IdempotencyError, SchemaMismatchError):
         "the request was not processed."
     )
 
+    #: No schema at all, rather than an older one (:class:`SchemaOutdated`).
+    missing = True
+
     def __init__(self, description: str | None = None, *, detail: str = "") -> None:
         IdempotencyError.__init__(self, description)
-        self.missing = True
         #: What the operator needs (the missing object and the command); for logs
         #: and ``except`` clauses, never sent to the client.
         self.detail = detail
@@ -202,10 +197,7 @@ class SchemaOutdated(SchemaMissing):
     description = (
         "The server's idempotency store has an outdated schema; the request was not processed."
     )
-
-    def __init__(self, description: str | None = None, *, detail: str = "") -> None:
-        super().__init__(description, detail=detail)
-        self.missing = False
+    missing = False
 
 
 def from_store_error(exc: StoreUnavailableError, retry_after: int) -> IdempotencyError:
@@ -233,6 +225,7 @@ class DrillFailure(IdempotencyError):
     title = "Attempt failed by a test drill"
     error_code = "drill_failure"
     description = "This attempt was failed on purpose by a test drill; nothing was kept."
+    final = False
 
 
 class ResponseTooLarge(IdempotencyError):

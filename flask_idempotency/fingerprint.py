@@ -31,33 +31,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 
 from flask import Request
 
-#: Made once: ``json.dumps`` with any argument builds a new encoder per call, and
-#: ``json.loads`` of bytes detects their encoding first (both on every request).
+#: Sorted keys, no whitespace, and text as it is: what "the same JSON" compares.
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-_DECODER = json.JSONDecoder()
-
-
-def _canonical_encoder() -> Callable[[object], str]:
-    """``_CANONICAL.encode``, with the C encoder it makes per call made once.
-
-    ``JSONEncoder.encode`` builds a new C encoder (and a float formatter) on every
-    call; the body's fingerprint needs the same one every time. Without a
-    circular-reference check, which a value ``json.loads`` returned never needs.
-    """
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # (a Python without the C accelerator)
-        return _CANONICAL.encode
-    chunks = make(
-        None, _CANONICAL.default, json.encoder.encode_basestring, None, ":", ",", True, False, True
-    )
-    return lambda value: "".join(chunks(value, 0))
-
-
-_encode_canonical = _canonical_encoder()
 
 
 def is_json_mimetype(mimetype: str) -> bool:
@@ -67,27 +45,19 @@ def is_json_mimetype(mimetype: str) -> bool:
 
 
 def canonical_body(mimetype: str, body: bytes) -> bytes:
-    """JSON bodies re-serialised with sorted keys; anything unparsable stays raw bytes."""
+    """JSON bodies re-serialised with sorted keys; anything unparsable stays raw bytes
+    (not valid JSON: the view will reject it; compare the bytes as sent)."""
     if not body or not is_json_mimetype(mimetype):
         return body
-    try:
-        parsed = _parse(body)
-    except (ValueError, RecursionError):
-        # Not valid JSON: the view will reject it; compare the bytes as sent.
-        return body
-    try:
-        return _encode_canonical(parsed).encode("utf-8", "surrogatepass")
-    except (ValueError, RecursionError):
-        return body
+    return _canonical_json(body) or body
 
 
-def _parse(body: bytes) -> object:
-    """``json.loads(body)``: a body opening with ``{`` or ``[`` and no NUL after it
-    is UTF-8 by ``json.detect_encoding``'s own rules, so it is decoded as such
-    without asking; anything else goes the whole way."""
-    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
-        return _DECODER.decode(body.decode("utf-8", "surrogatepass"))
-    return json.loads(body)
+def _canonical_json(body: bytes) -> bytes | None:
+    """``body`` as canonical JSON (never empty), or ``None`` when it is no JSON."""
+    try:
+        return _CANONICAL.encode(json.loads(body)).encode("utf-8", "surrogatepass")
+    except (ValueError, RecursionError):
+        return None
 
 
 #: Where ``request_body.read_body`` leaves the request's fingerprint, computed as the
@@ -123,7 +93,8 @@ _JSON_OPENINGS = frozenset(b'{["-0123456789tfn')
 
 
 class Fingerprinter:
-    """The fingerprint of one request, its body fed as it streams in."""
+    """The fingerprint of one request: made with the request line, then fed the
+    canonical body as it streams in, giving the same bytes as hashing it whole."""
 
     def __init__(self, method: str, path: str, query: bytes) -> None:
         h = hashlib.sha256()
@@ -161,20 +132,7 @@ class Fingerprinter:
         kept = bytes(self._kept)
         if self._size > KEEP_FOR_JSON_CHECK:
             return kept[0] in _JSON_OPENINGS
-        try:
-            parsed = _parse(kept)
-            return _encode_canonical(parsed).encode("utf-8", "surrogatepass") == kept
-        except (ValueError, RecursionError):
-            return False
-
-
-def start(method: str, path: str, query: bytes) -> Fingerprinter:
-    """The fingerprint with the request line in it; the canonical body is fed next.
-
-    Split from :func:`fingerprint` so that a body can be hashed chunk by chunk as
-    it arrives, giving the same bytes as hashing it whole.
-    """
-    return Fingerprinter(method, path, query)
+        return _canonical_json(kept) == kept
 
 
 def written_before(fp: bytes) -> bytes | None:
@@ -199,7 +157,7 @@ def matches(stored: bytes, fp: bytes) -> bool:
 
 
 def fingerprint(method: str, path: str, query: bytes, mimetype: str, body: bytes) -> bytes:
-    h = start(method, path, query)
+    h = Fingerprinter(method, path, query)
     h.update(canonical_body(mimetype, body))
     return h.finish(mimetype)
 

@@ -7,6 +7,7 @@ Keys are never stored or logged raw: the record's primary key is a SHA-256 of
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
 from flask import Request
@@ -15,8 +16,6 @@ from .digests import derived_key as derived_key  # re-exported: their old home
 from .digests import log_key as log_key
 from .digests import record_key as record_key
 from .errors import InvalidKey, MissingKey, ScopeUnavailable
-from .scopes import authorization_digest
-from .scopes import default_scope as default_scope  # re-exported: its old home
 
 log = logging.getLogger("flask_idempotency.requests")
 
@@ -68,21 +67,17 @@ def require_key(raw: str | None) -> str:
     return key
 
 
+#: The inside of an sf-string (RFC 8941): no bare quote, and a backslash escapes
+#: only a quote or a backslash.
+_SF_STRING_INSIDE = re.compile(r'(?:[^"\\]|\\["\\])*')
+_SF_ESCAPE = re.compile(r'\\(["\\])')
+
+
 def _unquote_sf_string(inner: str) -> str:
     """Undo sf-string escapes (``\\"`` and ``\\\\``); a bare quote or a bad escape is invalid."""
-    out: list[str] = []
-    chars = iter(inner)
-    for ch in chars:
-        if ch == "\\":
-            nxt = next(chars, "")
-            if nxt not in ('"', "\\"):
-                raise InvalidKey()
-            out.append(nxt)
-        elif ch == '"':
-            raise InvalidKey()
-        else:
-            out.append(ch)
-    return "".join(out)
+    if not _SF_STRING_INSIDE.fullmatch(inner):
+        raise InvalidKey()
+    return _SF_ESCAPE.sub(r"\1", inner)
 
 
 def resolve_scope(scope_func: Callable[[Request], str | None], request: Request) -> str:
@@ -114,9 +109,3 @@ def resolve_scope(scope_func: Callable[[Request], str | None], request: Request)
         f"the idempotency scope function {name} returned {type(scope).__name__}; "
         "it must return a str, or None when the request names no principal"
     )
-
-
-def default_scope_from_header(authorization: str) -> str:
-    """The scope :func:`~flask_idempotency.scopes.authorization_scope` gives a
-    non-empty ``Authorization`` value (its SHA-256, as records have always used)."""
-    return authorization_digest(authorization)

@@ -12,6 +12,11 @@ Two profiles, chosen with ``IDEMPOTENCY_PROFILE``; statuses are the same in both
 
 In both, a replay whose body was too large to store says so with
 ``Idempotency-Body-Omitted: true`` (a name of its own: one header per meaning).
+
+The ``stripe`` profile also sends what Stripe's SDKs read: the answers to a keyed
+request (once its scope and body are read) echo its ``Idempotency-Key``, and the extension's errors that a
+retry cannot change (its ``400``s, ``422``, and the final ``500``s) carry
+``Stripe-Should-Retry: false``, since those SDKs otherwise retry every ``500``.
 """
 
 from __future__ import annotations
@@ -22,21 +27,25 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Profile:
     name: str
-    #: The header that marks a replay (and, if ``mark_originals``, a first answer).
+    #: The header that marks a replay (and, in the ``stripe`` profile, a first answer).
     replayed_header: str
-    #: Whether first answers carry ``<replayed_header>: false``.
-    mark_originals: bool
-    #: Errors as RFC 9457 problem details instead of the Stripe-like object.
-    problem_details: bool
+    #: Stripe's conventions: JSON errors, first answers marked ``false``, the key
+    #: echoed and ``Stripe-Should-Retry``. Otherwise the IETF draft's: problem
+    #: details, only replays marked.
+    stripe: bool
 
 
-STRIPE = Profile("stripe", "Idempotent-Replayed", mark_originals=True, problem_details=False)
-IETF = Profile("ietf", "Idempotency-Replayed", mark_originals=False, problem_details=True)
+STRIPE = Profile("stripe", "Idempotent-Replayed", stripe=True)
+IETF = Profile("ietf", "Idempotency-Replayed", stripe=False)
 PROFILES = {profile.name: profile for profile in (STRIPE, IETF)}
 
 #: On a replay whose stored body was omitted (over ``IDEMPOTENCY_MAX_STORED_BODY``).
 OMITTED_HEADER = "Idempotency-Body-Omitted"
 OMITTED_VALUE = "true"
+#: Stripe's SDKs retry a ``409`` or a ``5xx`` unless this says ``false``.
+SHOULD_RETRY_HEADER = "Stripe-Should-Retry"
 
-#: Prefix of a problem's ``type`` member; the error code completes it.
-DEFAULT_PROBLEM_TYPE_BASE = "urn:flask-idempotency:error:"
+#: Prefix of a problem's ``type`` member, completed by the error code. Not a
+#: setting: RFC 9457 asks only that a type be a stable URI, and a URN is one; the
+#: ``code`` member is what clients branch on.
+PROBLEM_TYPE_BASE = "urn:flask-idempotency:error:"

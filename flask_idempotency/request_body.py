@@ -35,7 +35,7 @@ from flask import Request
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from .errors import MalformedBody
-from .fingerprint import FINGERPRINT_ENVIRON_KEY, canonical_body, is_json_mimetype, start
+from .fingerprint import FINGERPRINT_ENVIRON_KEY, Fingerprinter, canonical_body, is_json_mimetype
 
 log = logging.getLogger("flask_idempotency.requests")
 
@@ -59,16 +59,18 @@ def read_body(request: Request) -> None:
     The fingerprint goes into the request's environ for the default fingerprint
     function (``fingerprint.request_fingerprint``).
     """
-    digest = start(request.method, request.path, request.query_string)
+    digest = Fingerprinter(request.method, request.path, request.query_string)
     json = is_json_mimetype(request.mimetype)
+    held: list[bytes] = []  # a JSON body, compared after parsing
+    bound = None
+    if json:
+        bound = request.max_content_length
+        if bound is None:
+            bound = MAX_JSON_BODY
+            if (request.content_length or 0) > bound:
+                raise RequestEntityTooLarge()  # as Werkzeug does for MAX_CONTENT_LENGTH
     try:
-        stream = request.stream
-        if json:
-            body = _read_json(request, stream)
-            size = len(body)
-            digest.update(canonical_body(request.mimetype, body))
-        else:
-            size = _spool(request, stream, digest.update)
+        size = _spool(request, request.stream, held.append if json else digest.update, bound)
     except RequestEntityTooLarge:
         raise  # a declared length over the limit, or a chunked body that reached it: 413
     except Exception as exc:  # the server's parser refused the framing, or a disconnect
@@ -81,38 +83,23 @@ def read_body(request: Request) -> None:
         # error, so the view would act on part of a request.
         log.info("idempotency: request body shorter than its Content-Length")
         raise MalformedBody()
+    if json:
+        digest.update(canonical_body(request.mimetype, b"".join(held)))
     request.environ[FINGERPRINT_ENVIRON_KEY] = digest.finish(request.mimetype)
 
 
-def _read_json(request: Request, stream: IO[bytes]) -> bytes:
-    """The whole JSON body, within its bound; the view's stream reads it again."""
-    bound = request.max_content_length
-    if bound is None:
-        bound = MAX_JSON_BODY
-        if (request.content_length or 0) > bound:
-            raise RequestEntityTooLarge()  # as Werkzeug does for MAX_CONTENT_LENGTH
-    chunks: list[bytes] = []
-    size = 0
-    for chunk in _chunks(stream, request.content_length):
-        size += len(chunk)
-        if size > bound:
-            raise RequestEntityTooLarge()  # chunked, so only known now
-        chunks.append(chunk)
-    if not chunks:
-        return _read_before(request)
-    body = b"".join(chunks)
-    # Documented by Werkzeug: setting ``stream`` sets the cached value. get_data(),
-    # get_json() and form then read it as they would have read the client's.
-    request.stream = io.BytesIO(body)
-    return body
-
-
-def _spool(request: Request, stream: IO[bytes], feed: Callable[[bytes], object]) -> int:
-    """Feed the body to ``feed`` as it arrives, keep a copy for the view; its size."""
+def _spool(
+    request: Request, stream: IO[bytes], feed: Callable[[bytes], object], bound: int | None
+) -> int:
+    """Feed the body to ``feed`` as it arrives, keep a copy for the view; its size.
+    Over ``bound`` bytes (a JSON body, held whole) it is refused with ``413``."""
     chunks = _chunks(stream, request.content_length)
     first = next(chunks, b"")
     if not first:
-        body = _read_before(request)
+        # Empty, or read before the view (a before_request that called get_data() or
+        # get_json(), which Werkzeug cached; one that parsed form leaves nothing, as
+        # without us).
+        body = request.get_data(cache=True)
         feed(body)
         return len(body)
     spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)
@@ -121,11 +108,15 @@ def _spool(request: Request, stream: IO[bytes], feed: Callable[[bytes], object])
     weakref.finalize(request, spool.close)
     size = 0
     for chunk in itertools.chain((first,), chunks):
+        size += len(chunk)
+        if bound is not None and size > bound:
+            raise RequestEntityTooLarge()  # chunked, so only known now
         feed(chunk)
         spool.write(chunk)
-        size += len(chunk)
     spool.seek(0)
-    request.stream = spool  # see _read_json
+    # Documented by Werkzeug: setting ``stream`` sets the cached value. get_data(),
+    # get_json() and form then read it as they would have read the client's.
+    request.stream = spool
     return size
 
 
@@ -141,13 +132,6 @@ def _chunks(stream: IO[bytes], declared: int | None) -> Iterator[bytes]:
         if remaining is not None:
             remaining -= len(chunk)
         yield chunk
-
-
-def _read_before(request: Request) -> bytes:
-    """The body when its stream has nothing left: empty, or read before the view
-    (a ``before_request`` that called ``get_data()`` or ``get_json()``, which
-    Werkzeug cached; one that parsed ``form`` leaves nothing, as without us)."""
-    return request.get_data(cache=True)
 
 
 def whole_body(request: Request) -> bytes:

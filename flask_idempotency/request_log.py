@@ -37,23 +37,15 @@ from .observer import RequestEvent, RequestOutcome
 
 log = logging.getLogger("flask_idempotency.requests")
 
+#: Each outcome's level: DEBUG but for those listed.
 LEVELS: dict[RequestOutcome, int] = {
-    RequestOutcome.EXECUTED: logging.DEBUG,
-    RequestOutcome.REPLAYED: logging.DEBUG,
-    RequestOutcome.RELEASED: logging.DEBUG,
-    RequestOutcome.KEYLESS: logging.DEBUG,
-    RequestOutcome.SAFE_METHOD: logging.DEBUG,
-    RequestOutcome.MISSING_KEY: logging.DEBUG,
-    RequestOutcome.INVALID_KEY: logging.DEBUG,
-    RequestOutcome.MISSING_SCOPE: logging.DEBUG,
-    RequestOutcome.MALFORMED_BODY: logging.DEBUG,
-    RequestOutcome.BODY_TOO_LARGE: logging.DEBUG,
+    **dict.fromkeys(RequestOutcome, logging.DEBUG),
     RequestOutcome.IN_PROGRESS: logging.INFO,
     RequestOutcome.KEY_REUSED: logging.INFO,
     RequestOutcome.LEASE_LOST: logging.INFO,
-    RequestOutcome.STORE_UNAVAILABLE: logging.WARNING,
     RequestOutcome.SCHEMA_MISSING: logging.INFO,
     RequestOutcome.SCHEMA_OUTDATED: logging.INFO,
+    RequestOutcome.STORE_UNAVAILABLE: logging.WARNING,
     RequestOutcome.NOT_STORABLE: logging.ERROR,
 }
 

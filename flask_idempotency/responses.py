@@ -6,12 +6,14 @@ code in the application.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable
 
 from flask import Response
 
-from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, STRIPE, Profile
+from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, SHOULD_RETRY_HEADER, STRIPE, Profile
 from .store.base import StoredResponse
 
 #: The default (stripe) profile's marker; the ietf profile's is ``Idempotency-Replayed``.
@@ -48,8 +50,15 @@ NOT_STORED_HEADERS = frozenset(
 #: but the marker of an omitted body, which the stored answer carries on purpose.
 NOT_REPLAYED_HEADERS = NOT_STORED_HEADERS - {OMITTED_HEADER.lower()}
 
-#: Every response header the extension may set, for ``Access-Control-Expose-Headers``.
-EXPOSED_HEADERS = (STRIPE.replayed_header, IETF.replayed_header, OMITTED_HEADER, "Retry-After")
+#: Every response header the extension may set, for ``Access-Control-Expose-Headers``
+#: (with the key header, which the ``stripe`` profile echoes).
+EXPOSED_HEADERS = (
+    STRIPE.replayed_header,
+    IETF.replayed_header,
+    OMITTED_HEADER,
+    "Retry-After",
+    SHOULD_RETRY_HEADER,
+)
 
 #: PostgreSQL's ``smallint``, the column of a stored status.
 _STATUS_RANGE = range(-32768, 32768)
@@ -77,13 +86,9 @@ def answer_only(stored: StoredResponse, not_replayed: tuple[str, ...]) -> Stored
     """``stored`` without the headers that belong to the request rather than the
     answer (CORS's, by default): the app's own layers add this request's on a replay,
     so a retry from a second allowed origin is not handed the first one's."""
-    if not not_replayed:
-        return stored
     matches = per_request(not_replayed)
     headers = tuple(pair for pair in stored.headers if not matches(pair[0]))
-    if len(headers) == len(stored.headers):
-        return stored
-    return StoredResponse(stored.status, headers, stored.body)
+    return dataclasses.replace(stored, headers=headers)
 
 
 def storable(stored: StoredResponse) -> bool:
@@ -95,19 +100,11 @@ def storable(stored: StoredResponse) -> bool:
     ``"\\u0000"`` or ``"\\ud800"`` from a JSON body) is refused as itself, not as
     an outage that a client would retry, running the view each time.
     """
-    if stored.status not in _STATUS_RANGE:
+    text = "".join(name + value for name, value in stored.headers)
+    if stored.status not in _STATUS_RANGE or "\x00" in text:
         return False
-    for name, value in stored.headers:
-        for text in (name, value):
-            if "\x00" in text or not (text.isascii() or _encodable(text)):
-                return False
-    return True
-
-
-def _encodable(text: str) -> bool:
-    """Whether ``text`` is valid Unicode text (no surrogate code points)."""
     try:
-        text.encode("utf-8")
+        text.encode("utf-8")  # refuses a lone surrogate
     except UnicodeEncodeError:
         return False
     return True
@@ -154,7 +151,10 @@ def _buffer_stream(response: Response, max_body: int, omit_oversize: bool) -> by
             if size > max_body:
                 if not omit_oversize:
                     raise NotStorable(f"streamed body over the limit of {max_body} bytes")
-                response.response = _Rejoined(chunks, encoded, source)
+                # The chunks already read, then the rest of the stream; its source is
+                # closed when the response is (Werkzeug's documented call_on_close).
+                response.response = itertools.chain(chunks, encoded)
+                response.call_on_close(lambda: _close(source))
                 response.direct_passthrough = False
                 return None
     except BaseException:
@@ -166,22 +166,6 @@ def _buffer_stream(response: Response, max_body: int, omit_oversize: bool) -> by
     response.direct_passthrough = False
     response.set_data(body)
     return body
-
-
-class _Rejoined:
-    """The chunks already read, then the rest of the stream; closes its source."""
-
-    def __init__(self, head: list[bytes], rest: Iterator[bytes], source: object) -> None:
-        self._head = head
-        self._rest = rest
-        self._source = source
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self._head
-        yield from self._rest
-
-    def close(self) -> None:
-        _close(self._source)
 
 
 def _close(source: object) -> None:
@@ -208,17 +192,24 @@ def replay(
 
 def mark_original(response: Response, profile: Profile) -> None:
     """Mark an answer the view produced, where the profile does (Stripe's ``false``)."""
-    if profile.mark_originals:
+    if profile.stripe:
         response.headers[profile.replayed_header] = "false"
 
 
-def expose_headers(response: Response) -> None:
+def echo_key(response: Response, key_header: str, raw_key: str) -> None:
+    """Send the request's key back, as Stripe does and its SDKs read: as the client
+    sent it (it was checked to be visible ASCII), on any answer to a keyed request.
+    Never stored: a replay gets the key of the request it answers."""
+    response.headers[key_header] = raw_key.strip(" \t")
+
+
+def expose_headers(response: Response, key_header: str) -> None:
     """Add the extension's headers to ``Access-Control-Expose-Headers`` (CORS)."""
     present = {
         name.strip().lower()
         for value in response.headers.get_all("Access-Control-Expose-Headers")
         for name in value.split(",")
     }
-    missing = [h for h in EXPOSED_HEADERS if h.lower() not in present]
+    missing = [h for h in (*EXPOSED_HEADERS, key_header) if h.lower() not in present]
     if missing:
         response.headers.add("Access-Control-Expose-Headers", ", ".join(missing))

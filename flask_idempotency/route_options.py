@@ -20,7 +20,7 @@ from typing import Any
 
 from flask import Request
 
-from .settings import OVERSIZE_CHOICES, FingerprintFunc, ScopeFunc, Settings, ShouldStore
+from .settings import CHOICES, FingerprintFunc, ScopeFunc, Settings, ShouldStore
 
 log = logging.getLogger("flask_idempotency.recovery")
 
@@ -50,12 +50,25 @@ class RouteOptions:
     recovery_data: RecoveryDataFunc | None = None
 
     def __post_init__(self) -> None:
-        # Hashed on every request (``AppState.options_for``): once, not field by field.
-        values = tuple(getattr(self, field.name) for field in dataclasses.fields(self))
-        object.__setattr__(self, "_hash", hash(values))
-
-    def __hash__(self) -> int:
-        return self._hash  # type: ignore[no-any-return,attr-defined]
+        """What can be checked alone fails when the decorator is applied."""
+        for name in ("should_store", "scope_func", "fingerprint_func", "recover", "recovery_data"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise ValueError(f"idempotency route option {name}= must be callable")
+        if self.recovery_data is not None and self.recover is None:
+            raise ValueError(
+                "idempotency route option recovery_data= is only kept for recover=: "
+                "give the recovery function too"
+            )
+        choices = CHOICES["oversize"]
+        if self.oversize is not None and self.oversize not in choices:
+            raise ValueError(
+                f"idempotency route option oversize= must be one of {', '.join(choices)}"
+            )
+        if self.ttl is not None and self.lease is not None and self.lease > self.ttl:
+            raise ValueError(
+                f"idempotency route option lease= ({self.lease:g} s) must not exceed "
+                f"ttl= ({self.ttl:g} s)"
+            )
 
     def effective(self, settings: Settings) -> EffectiveOptions:
         """The route's values, falling back to the app's settings."""
@@ -101,53 +114,21 @@ def seconds(name: str, value: float | timedelta | None, *, allow_zero: bool) -> 
 def route_options(
     required: bool,
     *,
-    ttl: float | timedelta | None,
-    lease: float | timedelta | None,
-    wait: float | timedelta | None,
-    should_store: ShouldStore | None,
-    scope_func: ScopeFunc | None,
-    fingerprint_func: FingerprintFunc | None,
-    oversize: str | None = None,
-    recover: RecoverFunc | None = None,
-    recovery_data: RecoveryDataFunc | None = None,
+    ttl: float | timedelta | None = None,
+    lease: float | timedelta | None = None,
+    wait: float | timedelta | None = None,
+    **functions: Any,
 ) -> RouteOptions:
-    """Build and check a route's options when the decorator is applied."""
-    for name, func in (
-        ("should_store", should_store),
-        ("scope_func", scope_func),
-        ("fingerprint_func", fingerprint_func),
-        ("recover", recover),
-        ("recovery_data", recovery_data),
-    ):
-        if func is not None and not callable(func):
-            raise ValueError(f"idempotency route option {name}= must be callable")
-    if recovery_data is not None and recover is None:
-        raise ValueError(
-            "idempotency route option recovery_data= is only kept for recover=: "
-            "give the recovery function too"
-        )
-    if oversize is not None and oversize not in OVERSIZE_CHOICES:
-        raise ValueError(
-            f"idempotency route option oversize= must be one of {', '.join(OVERSIZE_CHOICES)}"
-        )
-    options = RouteOptions(
+    """A route's options as the decorator got them (seconds as numbers or
+    ``timedelta``), checked when it is applied; ``functions``: the callables and
+    ``oversize`` of :class:`RouteOptions`."""
+    return RouteOptions(
         required,
         ttl=seconds("ttl", ttl, allow_zero=False),
         lease=seconds("lease", lease, allow_zero=False),
         wait=seconds("wait", wait, allow_zero=True),
-        should_store=should_store,
-        scope_func=scope_func,
-        fingerprint_func=fingerprint_func,
-        oversize=oversize,
-        recover=recover,
-        recovery_data=recovery_data,
+        **functions,
     )
-    if options.ttl is not None and options.lease is not None and options.lease > options.ttl:
-        raise ValueError(
-            f"idempotency route option lease= ({options.lease:g} s) must not exceed "
-            f"ttl= ({options.ttl:g} s)"
-        )
-    return options
 
 
 def check_against_settings(options: RouteOptions, settings: Settings) -> EffectiveOptions:

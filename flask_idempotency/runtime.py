@@ -242,8 +242,13 @@ def after_request(response: Response) -> Response:
     if ctx is None:
         return response
     response = _settle(ctx, response)
-    if ctx.state.settings.expose_headers:
-        responses.expose_headers(response)
+    settings = ctx.state.settings
+    if ctx.record_key is not None and ctx.state.profile.stripe and ctx.request is not None:
+        responses.echo_key(
+            response, settings.key_header, ctx.request.environ[settings.key_environ_name]
+        )
+    if settings.expose_headers:
+        responses.expose_headers(response, settings.key_header)
     return response
 
 

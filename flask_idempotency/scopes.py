@@ -37,10 +37,7 @@ def default_scope(request: Request) -> str | None:
        still replay.
     3. else ``None``: no principal, and the request is refused.
     """
-    user_id = _flask_login_user_id()
-    if user_id is not None:
-        return USER_PREFIX + user_id
-    return authorization_scope(request)
+    return _flask_login_scope(request) or authorization_scope(request)
 
 
 def authorization_scope(request: Request) -> str | None:
@@ -92,7 +89,7 @@ def user_scope(get_user_id: Callable[[], Any]) -> Callable[[Request], str | None
     return scope
 
 
-def _flask_login_user_id() -> str | None:
+def _flask_login_user_id() -> Any:
     """The authenticated flask-login user's id, else ``None``.
 
     flask-login is never imported here: an app using it has imported it and set
@@ -105,10 +102,7 @@ def _flask_login_user_id() -> str | None:
     if getattr(app, "login_manager", None) is None:
         return None
     user = flask_login.current_user
-    if not getattr(user, "is_authenticated", False):
-        return None
-    user_id = user.get_id()
-    if user_id is None:
-        return None
-    text = str(user_id)
-    return text or None
+    return user.get_id() if getattr(user, "is_authenticated", False) else None
+
+
+_flask_login_scope = user_scope(_flask_login_user_id)

@@ -6,6 +6,7 @@ Bad values fail at start-up with a clear ``ValueError``, not on the first reques
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import string
@@ -114,10 +115,6 @@ class Settings:
     redis_breaker_threshold: int = 3
     #: ``IDEMPOTENCY_REDIS_OPTIONS["breaker_cooldown"]``: seconds Redis is skipped once open.
     redis_breaker_cooldown: float = 5.0
-    #: Bodies above this many bytes are zlib-compressed in Redis. Not a key: a detail
-    #: of the cache's encoding (deflating a few kB costs less than sending them),
-    #: not a deployment decision.
-    redis_compress_over: ClassVar[int] = 4096
     #: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]``: when a completed response is copied to Redis.
     #: ``"replay"`` (the default): the first time it is replayed from PostgreSQL;
     #: first requests skip the SET, and Redis holds only keys that were retried
@@ -129,10 +126,6 @@ class Settings:
     #: ``"stripe"`` (JSON errors, ``Idempotent-Replayed: true|false``) or ``"ietf"``
     #: (RFC 9457 problem details, ``Idempotency-Replayed: true`` on replays only).
     profile: str = "stripe"
-    #: Prefix of a problem's ``type`` (ietf profile), completed by the error code. Not
-    #: a key: RFC 9457 asks only that a type be a stable URI, and a URN is one; the
-    #: ``code`` member is what clients branch on.
-    problem_type_base: ClassVar[str] = "urn:flask-idempotency:error:"
     #: ``IDEMPOTENCY_OVERSIZE``: an answer whose body is over ``MAX_STORED_BODY``.
     #: ``"omit_body"``: kept and stored without its body; the client gets it whole,
     #: retries get its status and headers with ``Idempotency-Body-Omitted: true``. A
@@ -192,9 +185,8 @@ class Settings:
 
     @property
     def renew_interval(self) -> float:
-        if self.lease_renew_interval is None:
-            return self.lease / 3.0
-        return self.lease_renew_interval
+        interval = self.lease_renew_interval
+        return self.lease / 3.0 if interval is None else interval
 
     @functools.cached_property
     def key_environ_name(self) -> str:
@@ -204,127 +196,56 @@ class Settings:
         return name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{name}"
 
 
-_SECONDS_FIELDS = {
-    "statement_timeout",
-    "lock_timeout",
-    "ttl",
-    "lease",
-    "lease_renew_interval",
-    "wait",
-    "pool_timeout",
-    "redis_timeout",
-    "redis_breaker_cooldown",
-    "store_breaker_cooldown",
+#: The settings with a closed set of string values, and those values.
+CHOICES = {
+    "redis_fill": ("completion", "replay"),
+    "profile": ("stripe", "ietf"),
+    "oversize": ("omit_body", "reject"),
+    "claim_mode": ("row", "transaction"),
 }
-_INT_FIELDS = {
-    "pool_size",
-    "connect_timeout",
-    "retry_after",
-    "max_stored_body",
-    "redis_breaker_threshold",
-    "store_breaker_threshold",
-}
-_BOOL_FIELDS = {
-    "async_claim_commit",
-    "auto_migrate",
-    "expose_headers",
-    "testing_drills",
-}
-_CALLABLE_FIELDS = {"should_store", "scope_func", "fingerprint_func"}
-#: ``IDEMPOTENCY_REDIS_OPTIONS["fill"]`` values (see :attr:`Settings.redis_fill`).
-REDIS_FILLS = ("completion", "replay")
-#: ``IDEMPOTENCY_PROFILE`` values (see :attr:`Settings.profile`).
-PROFILE_NAMES = ("stripe", "ietf")
-#: ``IDEMPOTENCY_OVERSIZE`` values (see :attr:`Settings.oversize`).
-OVERSIZE_CHOICES = ("omit_body", "reject")
-#: Settings with a closed set of string values.
-#: ``IDEMPOTENCY_CLAIM_MODE`` values (see :attr:`Settings.claim_mode`).
-CLAIM_MODES = ("row", "transaction")
-_CHOICE_FIELDS = {
-    "redis_fill": REDIS_FILLS,
-    "profile": PROFILE_NAMES,
-    "oversize": OVERSIZE_CHOICES,
-    "claim_mode": CLAIM_MODES,
-}
+#: What a boolean setting may be spelled as in a string (an environment variable).
+_BOOLEAN_WORDS = {"1": True, "true": True, "yes": True, "on": True}
+_BOOLEAN_WORDS.update({"0": False, "false": False, "no": False, "off": False})
+#: The types of the settings that are functions.
+_FUNCTION_TYPES = ("ShouldStore", "ScopeFunc", "FingerprintFunc")
 
 
-def _coerce_seconds(name: str, value: Any) -> float:
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, bool):
-        raise ValueError(f"{config_key(name)} must be a number of seconds")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{config_key(name)} must be a number of seconds, got {value!r}") from None
-
-
-def _coerce_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{config_key(name)} must be an integer")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{config_key(name)} must be an integer, got {value!r}") from None
-
-
-def _coerce_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in {
-        "1",
-        "true",
-        "yes",
-        "on",
-        "0",
-        "false",
-        "no",
-        "off",
-    }:
-        return value.lower() in {"1", "true", "yes", "on"}
-    raise ValueError(f"{config_key(name)} must be a boolean, got {value!r}")
+def _coerce(name: str, kind: str, value: Any) -> Any:
+    """``value`` as the field ``name``, of type ``kind``, holds it; else ``ValueError``.
+    Every ``float`` setting is a number of seconds, so a ``timedelta`` is one too."""
+    if kind in _FUNCTION_TYPES and not callable(value):
+        raise ValueError(f"{config_key(name)} must be callable")
+    if kind == "bool" and not isinstance(value, bool):
+        word = _BOOLEAN_WORDS.get(value.lower()) if isinstance(value, str) else None
+        if word is None:
+            raise ValueError(f"{config_key(name)} must be a boolean, got {value!r}")
+        return word
+    if kind.startswith(("float", "int")):
+        if isinstance(value, timedelta) and kind != "int":
+            return value.total_seconds()
+        if not isinstance(value, bool):
+            with contextlib.suppress(TypeError, ValueError):
+                return int(value) if kind == "int" else float(value)
+        what = "an integer" if kind == "int" else "a number of seconds"
+        raise ValueError(f"{config_key(name)} must be {what}, got {value!r}")
+    if name in CHOICES:
+        return str(value).strip().lower()
+    if kind == "tuple[str, ...]":
+        return (value,) if isinstance(value, str) else tuple(value)
+    return value
 
 
 def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = False) -> Settings:
     """Build :class:`Settings` from a config namespace (``IDEMPOTENCY_`` prefix stripped);
-    ``engine_given``: the app gave its SQLAlchemy database (``db=``), so no DSN."""
-    fields = {f.name for f in dataclasses.fields(Settings)}
+    ``engine_given``: the app gave its SQLAlchemy database (``db=``), so no DSN.
+    ``None`` is the default of any setting but a function."""
+    kinds = {field.name: str(field.type) for field in dataclasses.fields(Settings)}
     values: dict[str, Any] = {}
     for name, value in ungroup(config).items():
-        raw_name = name
-        if name not in fields:
-            raise ValueError(f"Unknown configuration key IDEMPOTENCY_{raw_name.upper()}")
-        if value is None and name not in _CALLABLE_FIELDS:
-            values[name] = None
-            continue
-        if name in _SECONDS_FIELDS:
-            values[name] = _coerce_seconds(name, value)
-        elif name in _INT_FIELDS:
-            values[name] = _coerce_int(name, value)
-        elif name in _BOOL_FIELDS:
-            values[name] = _coerce_bool(name, value)
-        elif name in _CALLABLE_FIELDS:
-            if not callable(value):
-                raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} must be callable")
-            values[name] = value
-        elif name in _CHOICE_FIELDS:
-            values[name] = str(value).strip().lower()
-        elif name == "migration_dirs":
-            values[name] = (value,) if isinstance(value, str) else tuple(str(v) for v in value)
-        elif name == "not_replayed_headers":
-            values[name] = (value,) if isinstance(value, str) else tuple(value)
-        else:
-            values[name] = value
-    for name in (
-        "pool_size",
-        "connect_timeout",
-        "retry_after",
-        "max_stored_body",
-        "statement_timeout",
-        "lock_timeout",
-    ):
-        if name in values and values[name] is None:
-            del values[name]
+        if name not in kinds:
+            raise ValueError(f"Unknown configuration key IDEMPOTENCY_{name.upper()}")
+        if value is not None or kinds[name] in _FUNCTION_TYPES:
+            values[name] = _coerce(name, kinds[name], value)
     settings = Settings(**values)
     if engine_given:
         if settings.database_url is not None:
@@ -338,6 +259,28 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
     return settings
 
 
+#: The bounds of the numeric settings: which, the rule as said, and its test.
+_BOUNDS: tuple[tuple[tuple[str, ...], str, Callable[[float], bool]], ...] = (
+    (
+        ("ttl", "lease", "pool_timeout", "connect_timeout", "statement_timeout"),
+        "be positive",
+        lambda value: value > 0,
+    ),
+    (
+        ("redis_timeout", "redis_breaker_cooldown", "store_breaker_cooldown"),
+        "be positive",
+        lambda value: value > 0,
+    ),
+    (
+        ("pool_size", "redis_breaker_threshold", "store_breaker_threshold"),
+        "be at least 1",
+        lambda value: value >= 1,
+    ),
+    (("retry_after", "wait", "max_stored_body"), "not be negative", lambda value: value >= 0),
+    (("lock_timeout",), "not be negative (0 = no lock timeout)", lambda value: value >= 0),
+)
+
+
 def validate(settings: Settings) -> None:
     if settings.database_url is None:
         raise ValueError(
@@ -346,10 +289,10 @@ def validate(settings: Settings) -> None:
         )
     if not settings.key_header or not settings.key_header.isascii():
         raise ValueError("IDEMPOTENCY_KEY_HEADER must be a non-empty ASCII header name")
-    if settings.ttl <= 0:
-        raise ValueError("IDEMPOTENCY_TTL must be positive")
-    if settings.lease <= 0:
-        raise ValueError("IDEMPOTENCY_LEASE must be positive")
+    for names, rule, holds in _BOUNDS:
+        for name in names:
+            if not holds(getattr(settings, name)):
+                raise ValueError(f"{config_key(name)} must {rule}")
     if settings.ttl < settings.lease:
         raise ValueError("IDEMPOTENCY_TTL must be at least IDEMPOTENCY_LEASE")
     interval = settings.renew_interval
@@ -357,44 +300,18 @@ def validate(settings: Settings) -> None:
         raise ValueError(
             "IDEMPOTENCY_LEASE_RENEW_INTERVAL must be 0 (off) or shorter than IDEMPOTENCY_LEASE"
         )
-    if settings.pool_size < 1:
-        raise ValueError(f"{config_key('pool_size')} must be at least 1")
-    if settings.pool_timeout <= 0 or settings.connect_timeout <= 0:
-        raise ValueError(
-            f"{config_key('pool_timeout')} and {config_key('connect_timeout')} must be positive"
-        )
-    if settings.retry_after < 0:
-        raise ValueError("IDEMPOTENCY_RETRY_AFTER must not be negative")
-    if settings.wait < 0:
-        raise ValueError("IDEMPOTENCY_WAIT must be >= 0")
-    if settings.max_stored_body < 0:
-        raise ValueError("IDEMPOTENCY_MAX_STORED_BODY must not be negative")
     for pattern in settings.not_replayed_headers:
         if not _is_header_pattern(pattern):
             raise ValueError(
                 "IDEMPOTENCY_NOT_REPLAYED_HEADERS must list header names, or prefixes "
                 f"ending in '*', got {pattern!r}"
             )
-    for name, choices in _CHOICE_FIELDS.items():
+    for name, choices in CHOICES.items():
         value = getattr(settings, name)
         if value not in choices:
             raise ValueError(
                 f"{config_key(name)} must be one of {', '.join(choices)}, got {value!r}"
             )
-    if settings.redis_timeout <= 0 or settings.redis_breaker_threshold < 1:
-        raise ValueError(
-            f"{config_key('redis_timeout')} must be positive and "
-            f"{config_key('redis_breaker_threshold')} at least 1"
-        )
-    if settings.store_breaker_threshold < 1 or not settings.store_breaker_cooldown > 0:
-        raise ValueError(
-            f"{config_key('store_breaker_threshold')} must be at least 1 and "
-            f"{config_key('store_breaker_cooldown')} positive"
-        )
-    if not settings.statement_timeout > 0:
-        raise ValueError(f"{config_key('statement_timeout')} must be positive")
-    if not settings.lock_timeout >= 0:
-        raise ValueError(f"{config_key('lock_timeout')} must not be negative (0 = no lock timeout)")
 
 
 #: What a header name may hold (RFC 9110's ``token``).

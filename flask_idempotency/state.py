@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from flask import Flask, Request, current_app, g, has_app_context
 
-from .profiles import DEFAULT_PROBLEM_TYPE_BASE, STRIPE, Profile
+from .profiles import STRIPE, Profile
 from .route_options import EffectiveOptions, RouteOptions, check_against_settings
 
 if TYPE_CHECKING:
@@ -185,13 +185,11 @@ def find_app_state(app: Flask | None = None) -> AppState | None:
     return state
 
 
-def current_profile() -> tuple[Profile, str]:
-    """The current app's profile and problem type base (how its errors render);
-    the default outside an app, or before ``init_app``."""
+def current_profile() -> Profile:
+    """The current app's profile (how its errors render); the default outside an
+    app, or before ``init_app``."""
     state = find_app_state()
-    if state is not None:
-        return state.profile, state.settings.problem_type_base
-    return STRIPE, DEFAULT_PROBLEM_TYPE_BASE
+    return state.profile if state is not None else STRIPE
 
 
 def current_retry_after() -> int:

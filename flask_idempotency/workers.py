@@ -16,19 +16,16 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 from flask import Flask
 
 from .state import find_app_state
 
 log = logging.getLogger("flask_idempotency")
-
-
-class _Logger(Protocol):
-    def warning(self, msg: str, *args: Any) -> None: ...
 
 
 def find_flask_app(wsgi: Any) -> Flask | None:
@@ -57,8 +54,9 @@ def pool_capacity(app: Flask) -> tuple[int, str] | None:
     return state.store.pool.capacity()
 
 
-def check_pool_size(app: Flask, threads: int, log: _Logger = log) -> bool:
-    """Warn (and return False) if fewer connections than ``threads`` serve requests."""
+def check_pool_size(app: Flask, threads: int, log: Any = log) -> bool:
+    """Warn (and return False) if fewer connections than ``threads`` serve requests;
+    ``log``: anything with a ``warning(msg, *args)`` (gunicorn's worker log)."""
     found = pool_capacity(app)
     if found is None:
         return True
@@ -115,12 +113,7 @@ def gunicorn_workers() -> int | None:
 
 def _stacks() -> Iterator[FrameType]:
     """Every frame of this thread's stack, then of the main thread's."""
-    starts = [sys._getframe(1)]
+    yield from (frame for frame, _ in traceback.walk_stack(None))
     main = sys._current_frames().get(threading.main_thread().ident or 0)
     if main is not None:
-        starts.append(main)
-    for start in starts:
-        frame: FrameType | None = start
-        while frame is not None:
-            yield frame
-            frame = frame.f_back
+        yield from (frame for frame, _ in traceback.walk_stack(main))

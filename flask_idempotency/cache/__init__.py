@@ -52,7 +52,7 @@ def cache_from_settings(settings: Settings, config: Mapping[str, Any], store: An
         log.error(NO_SECRET)
         return NullCache()
 
-    return RedisCache.from_settings(
+    return RedisCache(
         settings, secrets=secrets, identity=functools.partial(database_identity, store)
     )
 

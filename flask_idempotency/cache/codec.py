@@ -83,12 +83,12 @@ class Entry(NamedTuple):
 
 
 def encode(
-    fingerprint: bytes, response: StoredResponse, *, expires_at: int, compress_over: int
+    fingerprint: bytes, response: StoredResponse, *, expires_at: int, compress_over: int = 4096
 ) -> bytes:
     """Frame one completed response that may be replayed until ``expires_at``
-    (Unix ms). Bodies above ``compress_over`` bytes are deflated when that makes
-    them smaller (random or already-compressed bodies do not shrink, and then
-    are kept as they are)."""
+    (Unix ms). Bodies above ``compress_over`` bytes (4 kB: deflating a few kB
+    costs less than sending them) are deflated when that makes them smaller
+    (random or already-compressed bodies do not shrink, and are kept as they are)."""
     body = response.body
     flags = 0
     if len(body) > compress_over:
@@ -129,16 +129,17 @@ def decode(value: bytes, *, max_body: int | None = None) -> Entry:
     reader = _Reader(value, _PREFIX.size)
     fingerprint = reader.framed()
     headers = []
-    for _ in range(reader.u16()):
-        name = reader.framed()
-        field = reader.framed()
+    for _ in range(reader.number(_U16)):
+        name, field = reader.framed(), reader.framed()
         try:
             headers.append(
                 (name.decode("utf-8", _TEXT_ERRORS), field.decode("utf-8", _TEXT_ERRORS))
             )
         except UnicodeDecodeError:
             raise CorruptEntry("header is not UTF-8") from None
-    body = reader.body()
+    body = reader.framed(_U32)
+    if reader.offset != len(value):
+        raise CorruptEntry("bytes after the body")
     if flags & FLAG_COMPRESSED:
         body = _inflate(body, max_body)
     elif max_body is not None and len(body) > max_body:
@@ -176,33 +177,19 @@ class _Reader:
 
     def __init__(self, data: bytes, offset: int) -> None:
         self._data = data
-        self._offset = offset
+        self.offset = offset
 
-    def _number(self, fmt: struct.Struct) -> int:
-        end = self._offset + fmt.size
+    def _take(self, n: int) -> bytes:
+        end = self.offset + n
         if end > len(self._data):
             raise CorruptEntry("truncated")
-        (n,) = fmt.unpack_from(self._data, self._offset)
-        self._offset = end
+        chunk, self.offset = self._data[self.offset : end], end
+        return chunk
+
+    def number(self, fmt: struct.Struct) -> int:
+        (n,) = fmt.unpack(self._take(fmt.size))
         return int(n)
 
-    def u16(self) -> int:
-        return self._number(_U16)
-
-    def _chunk(self, n: int) -> bytes:
-        end = self._offset + n
-        if end > len(self._data):
-            raise CorruptEntry("truncated")
-        chunk = self._data[self._offset : end]
-        self._offset = end
-        return chunk
-
-    def framed(self) -> bytes:
-        return self._chunk(self.u16())
-
-    def body(self) -> bytes:
-        """The u32-framed body, which must be the last thing in the value."""
-        chunk = self._chunk(self._number(_U32))
-        if self._offset != len(self._data):
-            raise CorruptEntry("bytes after the body")
-        return chunk
+    def framed(self, length: struct.Struct = _U16) -> bytes:
+        """Bytes preceded by their length, a ``u16`` unless said otherwise."""
+        return self._take(self.number(length))

@@ -54,19 +54,13 @@ def secrets_from_config(config: Mapping[str, Any]) -> list[bytes]:
     if isinstance(fallbacks, (str, bytes)):
         fallbacks = (fallbacks,)
     found.extend(fallbacks)
-    return [_as_bytes(s) for s in found if s]
-
-
-def _as_bytes(secret: str | bytes) -> bytes:
-    return secret if isinstance(secret, bytes) else secret.encode("utf-8")
+    return [s if isinstance(s, bytes) else s.encode("utf-8") for s in found if s]
 
 
 class Keyring:
     """The derived keys of one deployment: the first signs, every one verifies."""
 
     def __init__(self, secrets: Sequence[bytes], identity: bytes) -> None:
-        if not secrets:
-            raise ValueError("a cache keyring needs at least one secret")
         if not identity:
             raise ValueError("a cache keyring needs the database's identity")
         self.identity = identity
@@ -99,12 +93,10 @@ class Keyring:
 
 
 def _any_matches(tag: bytes, candidates: Iterable[bytes]) -> bool:
-    # Every candidate is compared, in constant time each: which key matched, and
-    # how much of a forged tag was right, never shows in the timing.
-    matched = False
-    for candidate in candidates:
-        matched |= hmac.compare_digest(tag, candidate)
-    return matched
+    # Every candidate is compared (a list, not any()'s short cut), in constant time
+    # each: which key matched, and how much of a forged tag was right, never shows
+    # in the timing.
+    return any([hmac.compare_digest(tag, candidate) for candidate in candidates])
 
 
 #: Seconds between two attempts to read the database's identity while PostgreSQL
@@ -136,9 +128,6 @@ class LazyKeyring:
 
     def get(self) -> Keyring | None:
         """The keyring, or ``None`` while the identity cannot be read (a miss)."""
-        ring = self._ring
-        if ring is not None:
-            return ring
         with self._lock:
             if self._ring is not None:
                 return self._ring

@@ -49,7 +49,6 @@ import redis.retry
 from ..circuit import BreakerState, CircuitBreaker, Transition
 from ..digests import log_key
 from ..observer import Observer
-from ..responses import NOT_STORED_HEADERS
 from ..settings import Settings
 from ..store.base import StoredResponse
 from . import codec, topology
@@ -71,19 +70,6 @@ LOG_INTERVAL = 10.0
 #: breaker for nothing.
 _SOCKET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
-#: Response headers that belong to the request rather than the answer (CORS's):
-#: never replayed, whatever an entry holds, so the application's own CORS layer
-#: adds this request's.
-PER_REQUEST_HEADER_PREFIXES = ("access-control-",)
-
-
-def replayable(name: str) -> bool:
-    """May a header from the cache go out in a replay? The same rule as for what is
-    stored (``responses.NOT_STORED_HEADERS``: never ``Set-Cookie``), applied again
-    on the way out."""
-    lowered = name.lower()
-    return lowered not in NOT_STORED_HEADERS and not lowered.startswith(PER_REQUEST_HEADER_PREFIXES)
-
 
 class RedisCache:
     """A :class:`~flask_idempotency.cache.base.ResponseCache` over one Redis client.
@@ -95,63 +81,33 @@ class RedisCache:
 
     def __init__(
         self,
-        client: redis.Redis[bytes],
-        *,
-        secrets: Sequence[bytes],
-        identity: Callable[[], bytes],
-        prefix: str = "idempotency",
-        compress_over: int = 4096,
-        max_body: int | None = None,
-        breaker: CircuitBreaker | None = None,
-        owns_client: bool = False,
-        clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.client = client
-        #: Derived from ``secrets`` and the database's ``identity`` on first use.
-        self.keyring = LazyKeyring(secrets, identity, clock=clock)
-        #: Entries expire at a wall-clock time, shared by every worker and host.
-        self._wall_clock = wall_clock
-        #: A Redis Cluster reloads its slot map and reconnects by itself.
-        self._cluster = isinstance(client, redis.cluster.RedisCluster)
-        self.prefix = prefix
-        self.compress_over = compress_over
-        self.max_body = max_body
-        self.breaker = breaker if breaker is not None else CircuitBreaker(3, 5.0, clock=clock)
-        self._owns_client = owns_client
-        self._log = _RateLimitedLog(clock)
-        self._observer: Observer | None = None
-
-    @classmethod
-    def from_settings(
-        cls,
         settings: Settings,
         *,
         secrets: Sequence[bytes],
         identity: Callable[[], bytes],
         clock: Callable[[], float] = time.monotonic,
-    ) -> RedisCache:
-        """From ``IDEMPOTENCY_REDIS`` (used as it is: its timeouts are the
-        application's) or ``IDEMPOTENCY_REDIS_URL`` (a client built for a cache).
-
-        A URL's query string still wins over these defaults, so an operator can
-        set, say, ``?socket_timeout=0.2`` without a code change. ``secrets`` and
-        ``identity``: what the entries are sealed with (``keyring.py``).
-        """
-        client, owns = client_for_settings(settings)
-        return cls(
-            client,
-            secrets=secrets,
-            identity=identity,
-            prefix=settings.redis_prefix,
-            compress_over=settings.redis_compress_over,
-            max_body=settings.max_stored_body,
-            breaker=CircuitBreaker(
-                settings.redis_breaker_threshold, settings.redis_breaker_cooldown, clock=clock
-            ),
-            owns_client=owns,
-            clock=clock,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """The cache ``IDEMPOTENCY_REDIS`` (a client used as it is: its timeouts are
+        the application's) or ``IDEMPOTENCY_REDIS_URL`` (a client built for a
+        cache, whose query string still wins over these defaults, say
+        ``?socket_timeout=0.2``) names. ``secrets`` and ``identity``: what the
+        entries are sealed with (``keyring.py``)."""
+        self.client, self._owns_client = client_for_settings(settings)
+        #: Derived from ``secrets`` and the database's ``identity`` on first use.
+        self.keyring = LazyKeyring(secrets, identity, clock=clock)
+        #: Entries expire at a wall-clock time, shared by every worker and host.
+        self._wall_clock = wall_clock
+        #: A Redis Cluster reloads its slot map and reconnects by itself.
+        self._cluster = isinstance(self.client, redis.cluster.RedisCluster)
+        self.prefix = settings.redis_prefix
+        self.max_body = settings.max_stored_body
+        self.breaker = CircuitBreaker(
+            settings.redis_breaker_threshold, settings.redis_breaker_cooldown, clock=clock
         )
+        self._log = _RateLimitedLog(clock)
+        #: Told of lookups, failures and the breaker (``attach_observer``).
+        self._observer = Observer()
 
     def key(self, record_key: bytes) -> str:
         """The Redis key of a record's entry (``RuntimeError`` while the database's
@@ -177,8 +133,7 @@ class RedisCache:
 
     def get(self, record_key: bytes) -> CachedRecord | None:
         record = self._get(record_key)
-        if self._observer is not None:
-            self._observer.cache_lookup(record is not None)
+        self._observer.cache_lookup(record is not None)
         return record
 
     def _get(self, record_key: bytes) -> CachedRecord | None:
@@ -192,38 +147,29 @@ class RedisCache:
         # Redis answered, so the breaker is not concerned with what follows. A
         # rejected entry stays: the PostgreSQL replay after this miss overwrites it.
         if not value.startswith(codec.VERSION_BYTE):
-            self._reject(record_key, "version", "written by another version")
-            return None
+            return self._rejected(record_key, "version", "written by another version")
         try:
             entry = codec.decode(ring.open(key.encode(), value), max_body=self.max_body)
         except Unauthentic as exc:
-            self._reject(record_key, "unverified", str(exc))
-            return None
+            return self._rejected(record_key, "unverified", str(exc))
         except codec.CorruptEntry as exc:  # sealed by us, yet unreadable: a bug, not an attack
-            self._reject(record_key, "corrupt", f"{type(exc).__name__}: {exc}")
-            return None
+            return self._rejected(record_key, "corrupt", f"{type(exc).__name__}: {exc}")
         if entry.expires_at <= self._wall_clock() * 1000:
-            self._reject(record_key, "expired", "older than its record")
-            return None
-        record = entry.record
-        headers = tuple(pair for pair in record.response.headers if replayable(pair[0]))
-        if len(headers) != len(record.response.headers):
-            response = record.response
-            record = CachedRecord(
-                record.fingerprint, StoredResponse(response.status, headers, response.body)
-            )
-        return record
+            return self._rejected(record_key, "expired", "older than its record")
+        # Its headers go out through responses.replay(), which drops Set-Cookie and
+        # the per-request headers whatever an entry holds.
+        return entry.record
 
-    def _reject(self, record_key: bytes, reason: str, detail: str) -> None:
-        """An entry that must not be replayed: a miss, counted and logged now and then."""
+    def _rejected(self, record_key: bytes, reason: str, detail: str) -> CachedRecord | None:
+        """An entry that must not be replayed: a miss (``None``), counted and logged
+        now and then."""
         self._log.warning(
             "idempotency: cache entry for key %s rejected (%s: %s); treated as a miss",
             log_key(record_key),
             reason,
             detail,
         )
-        if self._observer is not None:
-            self._observer.cache_rejected(reason)
+        self._observer.cache_rejected(reason)
         return None
 
     def put(
@@ -238,9 +184,7 @@ class RedisCache:
             return
         expires_at = int(self._wall_clock() * 1000) + px
         try:
-            payload = codec.encode(
-                fingerprint, response, expires_at=expires_at, compress_over=self.compress_over
-            )
+            payload = codec.encode(fingerprint, response, expires_at=expires_at)
         except codec.CodecError as exc:
             self._log.warning(
                 "idempotency: response for key %s not cached: %s", log_key(record_key), exc
@@ -285,14 +229,12 @@ class RedisCache:
         handshake), and a cache must never turn an outage into a 500.
         """
         if not self.breaker.allow():
-            if self._observer is not None:
-                self._observer.redis_skipped(command)
+            self._observer.redis_skipped(command)
             return None
         try:
             result = fn()
         except Exception as exc:
-            if self._observer is not None:
-                self._observer.redis_failed(command)
+            self._observer.redis_failed(command)
             if isinstance(exc, _SOCKET_ERRORS):
                 self._drop_idle_connections()
             self._log.warning(
@@ -307,13 +249,11 @@ class RedisCache:
                     "idempotency: redis circuit breaker open; skipping redis for %.1f s",
                     self.breaker.cooldown,
                 )
-                if self._observer is not None:
-                    self._observer.breaker_changed(BreakerState.OPEN.value)
+                self._observer.breaker_changed(BreakerState.OPEN.value)
             return None
         if self.breaker.success() is Transition.CLOSED:
             log.info("idempotency: redis answers again; circuit breaker closed")
-            if self._observer is not None:
-                self._observer.breaker_changed(BreakerState.CLOSED.value)
+            self._observer.breaker_changed(BreakerState.CLOSED.value)
         return result
 
     def _drop_idle_connections(self) -> None:
@@ -324,16 +264,23 @@ class RedisCache:
         except Exception as exc:
             log.debug("idempotency: dropping idle redis connections failed: %s", exc)
 
-    def __repr__(self) -> str:
-        state = self.breaker.state
-        suffix = "" if state is BreakerState.CLOSED else f" breaker={state.value}"
-        return f"<RedisCache prefix={self.prefix!r}{suffix}>"
-
 
 def client_for_settings(settings: Settings) -> tuple[Any, bool]:
     """The client ``IDEMPOTENCY_REDIS`` or ``IDEMPOTENCY_REDIS_URL`` names, and
     whether it is ours to close; ``ValueError`` (at ``init_app``) for a malformed
-    URL or a client that decodes responses. Connects to nothing."""
+    URL or a client that decodes responses. Connects to nothing.
+
+    A client built from a URL is one for a cache, where a slow answer must cost
+    less than asking PostgreSQL (a ``redis+sentinel``/``redis+cluster`` URL gets
+    the same from ``topology.py``):
+
+    - ``socket_timeout`` and ``socket_connect_timeout`` = ``IDEMPOTENCY_REDIS_OPTIONS["timeout"]``;
+    - no retries (redis-py 6+ retries three times by default, with backoff);
+    - no health-check ``PING`` before commands on idle connections;
+    - where supported: RESP2 (redis-py 8 defaults to RESP3, whose ``HELLO``,
+      and the maintenance-notification handshake that comes with it, add
+      round trips to every new connection) and no ``CLIENT SETINFO``.
+    """
     if settings.redis is not None:
         connection_kwargs: dict[str, Any] = getattr(settings.redis, "get_connection_kwargs", dict)()
         if connection_kwargs.get("decode_responses"):
@@ -341,28 +288,11 @@ def client_for_settings(settings: Settings) -> tuple[Any, bool]:
                 "IDEMPOTENCY_REDIS must not decode responses: cached entries are binary"
             )
         return settings.redis, False
-    if settings.redis_url is None:
-        raise ValueError("Set IDEMPOTENCY_REDIS_URL or IDEMPOTENCY_REDIS")
-    if topology.is_topology_url(settings.redis_url):
-        timeout = settings.redis_timeout
-        return topology.client_for(settings.redis_url, timeout, _lean_handshake_kwargs()), True
-    return client_from_url(settings.redis_url, settings.redis_timeout), True
-
-
-def client_from_url(url: str, timeout: float) -> redis.Redis[bytes]:
-    """A client for a cache: a slow answer must cost less than asking PostgreSQL.
-
-    - ``socket_timeout`` and ``socket_connect_timeout`` = ``timeout``;
-    - no retries (redis-py 6+ retries three times by default, with backoff);
-    - no health-check ``PING`` before commands on idle connections;
-    - where supported: RESP2 (redis-py 8 defaults to RESP3, whose ``HELLO``,
-      and the maintenance-notification handshake that comes with it, add
-      round trips to every new connection) and no ``CLIENT SETINFO``.
-
-    Raises ``ValueError`` for a malformed URL (at ``init_app``); connects to
-    nothing.
-    """
-    client: redis.Redis[bytes] = redis.Redis.from_url(
+    url, timeout = settings.redis_url, settings.redis_timeout
+    assert url is not None  # (no cache is built without one or the other)
+    if topology.is_topology_url(url):
+        return topology.client_for(url, timeout, _lean_handshake_kwargs()), True
+    client = redis.Redis.from_url(
         url,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
@@ -370,7 +300,7 @@ def client_from_url(url: str, timeout: float) -> redis.Redis[bytes]:
         health_check_interval=0,
         **_lean_handshake_kwargs(),
     )
-    return client
+    return client, True
 
 
 def _lean_handshake_kwargs() -> dict[str, Any]:

@@ -32,8 +32,8 @@ import redis.cluster
 import redis.retry
 import redis.sentinel
 
-SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+#: Each scheme, and the kind of deployment it names.
+SCHEMES = {f"{tls}+{kind}": kind for tls in ("redis", "rediss") for kind in ("sentinel", "cluster")}
 #: Sentinel's own port when a host names none.
 SENTINEL_PORT = 26379
 CLUSTER_PORT = 6379
@@ -53,8 +53,7 @@ class TopologyURL:
 
 
 def is_topology_url(url: str) -> bool:
-    scheme = url.partition("://")[0].lower()
-    return scheme in SENTINEL_SCHEMES or scheme in CLUSTER_SCHEMES
+    return url.partition("://")[0].lower() in SCHEMES
 
 
 def parse(url: str) -> TopologyURL:
@@ -62,20 +61,18 @@ def parse(url: str) -> TopologyURL:
     (naming what is wrong, never the password) if it is malformed."""
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
-    if not sep or not (scheme in SENTINEL_SCHEMES or scheme in CLUSTER_SCHEMES):
+    kind = SCHEMES.get(scheme)
+    if not sep or kind is None:
         raise ValueError(f"not a redis+sentinel:// or redis+cluster:// URL: {scheme}://")
-    kind = "sentinel" if scheme in SENTINEL_SCHEMES else "cluster"
     if "?" in rest or "#" in rest:
         raise ValueError(
             f"{scheme}:// URLs take no query options; pass a client as IDEMPOTENCY_REDIS "
             "for options beyond the timeout"
         )
     netloc, _, path = rest.partition("/")
-    username = password = None
-    if "@" in netloc:
-        userinfo, netloc = netloc.rsplit("@", 1)
-        user, _, secret = userinfo.partition(":")
-        username, password = unquote(user) or None, unquote(secret) or None
+    userinfo, _, netloc = netloc.rpartition("@")
+    user, _, secret = userinfo.partition(":")
+    username, password = unquote(user) or None, unquote(secret) or None
     default_port = SENTINEL_PORT if kind == "sentinel" else CLUSTER_PORT
     nodes = tuple(_node(part, default_port, scheme) for part in netloc.split(","))
     parts = [p for p in path.split("/") if p]
@@ -100,16 +97,12 @@ def parse(url: str) -> TopologyURL:
 
 
 def _node(text: str, default_port: int, scheme: str) -> tuple[str, int]:
-    text = text.strip()
-    if not text:
-        raise ValueError(f"{scheme}:// names an empty host")
-    if text.startswith("["):  # [IPv6]:port
-        host, _, port = text[1:].partition("]")
+    host, port = text.strip(), ""
+    if host.startswith("["):  # [IPv6]:port
+        host, _, port = host[1:].partition("]")
         port = port.removeprefix(":")
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
-    else:
-        host, port = text, ""
+    elif host.count(":") == 1:
+        host, _, port = host.partition(":")
     if not host:
         raise ValueError(f"{scheme}:// names an empty host")
     return host, _whole(port, f"{scheme}:// port") if port else default_port

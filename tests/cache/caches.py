@@ -19,15 +19,13 @@ IDENTITY = bytes(range(16))
 
 def standalone(settings: Settings, **options: Any) -> RedisCache:
     """A cache of ``settings`` with no database behind it (a fixed identity)."""
-    return RedisCache.from_settings(
-        settings, secrets=[SECRET.encode()], identity=lambda: IDENTITY, **options
-    )
+    return RedisCache(settings, secrets=[SECRET.encode()], identity=lambda: IDENTITY, **options)
 
 
 def rebuilt(app: Flask, **options: Any) -> RedisCache:
     """A new cache for ``app``, as ``init_app`` builds it (its secret, its database)."""
     state = app.extensions["idempotency"]
-    return RedisCache.from_settings(
+    return RedisCache(
         state.settings,
         secrets=[str(app.config["SECRET_KEY"]).encode()],
         identity=functools.partial(database_identity, state.store),

@@ -36,7 +36,8 @@ from flask_idempotency.cache import codec
 from flask_idempotency.cache.keyring import TAG_SIZE
 from flask_idempotency.cache.redis import RedisCache
 from flask_idempotency.circuit import BreakerState, CircuitBreaker, Transition
-from flask_idempotency.keys import default_scope_from_header, record_key
+from flask_idempotency.keys import record_key
+from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import StoredResponse
 from support.forking import in_forked_child
@@ -169,7 +170,7 @@ def outcome(response: TestResponse) -> tuple[int, str | None, bytes]:
 
 
 def rkey(key: str, auth: str = "Bearer a") -> bytes:
-    return record_key(default_scope_from_header(auth), key)
+    return record_key(authorization_digest(auth), key)
 
 
 def redis_cache(app: Flask, clock: FakeClock | None = None) -> RedisCache:
@@ -278,7 +279,7 @@ def test_fill_on_replay_copies_a_response_only_once_it_is_retried(
     first = pay(client, "k1", amount=1500)
     assert outcome(first)[:2] == (201, "false")
     assert sent == ["GET"]  # the miss only: nothing is copied yet
-    assert r.get(cache.key(record_key(default_scope_from_header("Bearer a"), "k1"))) is None
+    assert r.get(cache.key(record_key(authorization_digest("Bearer a"), "k1"))) is None
 
     sent.clear()
     reset_pg_counts()

@@ -28,8 +28,9 @@ from flask_idempotency import Idempotency
 from flask_idempotency.cache import codec
 from flask_idempotency.cache.keyring import TAG_SIZE, Keyring, Unauthentic
 from flask_idempotency.cache.redis import RedisCache
-from flask_idempotency.keys import default_scope_from_header, record_key
+from flask_idempotency.keys import record_key
 from flask_idempotency.observer import Observer
+from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.store.base import StoredResponse
 from flask_idempotency.store.identity import database_identity
 
@@ -102,7 +103,7 @@ def charge(app: Flask, key: str, amount: int = 1500) -> TestResponse:
 
 
 def rkey(key: str) -> bytes:
-    return record_key(default_scope_from_header(AUTH), key)
+    return record_key(authorization_digest(AUTH), key)
 
 
 def cache_of(app: Flask) -> RedisCache:

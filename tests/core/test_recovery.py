@@ -488,7 +488,7 @@ def test_route_options_for_recovery_are_checked_when_the_decorator_is_applied() 
         ttl=None, lease=None, wait=None, should_store=None, scope_func=None, fingerprint_func=None
     )
     with pytest.raises(ValueError, match="recover= must be callable"):
-        route_options(True, recover="no", **common)  # type: ignore[arg-type]
+        route_options(True, recover="no", **common)
     with pytest.raises(ValueError, match="only kept for recover="):
         route_options(True, recovery_data=lambda request: None, **common)
     assert route_options(True, recover=lambda a: None, **common).recover is not None

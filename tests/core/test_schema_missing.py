@@ -133,6 +133,8 @@ def assert_named(response: TestResponse, code: str, *, ietf: bool = False) -> No
     assert response.status_code == 500, response.get_data(as_text=True)
     assert "Retry-After" not in response.headers
     assert "Idempotent-Replayed" not in response.headers
+    # Final: Stripe's SDKs would otherwise retry a 500 (issue 39).
+    assert response.headers.get("Stripe-Should-Retry") == (None if ietf else "false")
     body = json.loads(response.get_data())
     if ietf:
         assert response.mimetype == "application/problem+json"

@@ -27,6 +27,7 @@ from flask_idempotency import (
     keys,
     user_scope,
 )
+from flask_idempotency.scopes import authorization_digest
 
 MakeApp = Callable[..., Flask]
 
@@ -307,7 +308,7 @@ def test_default_scope_keeps_the_authorization_digest_of_deployed_records() -> N
     expected = hashlib.sha256(b"Bearer sk_live_1").hexdigest()
     assert scope_of(default_scope, Authorization="Bearer sk_live_1") == expected
     assert scope_of(authorization_scope, Authorization="Bearer sk_live_1") == expected
-    assert keys.default_scope_from_header("Bearer sk_live_1") == expected
+    assert authorization_digest("Bearer sk_live_1") == expected
     assert scope_of(default_scope) is None
     assert scope_of(default_scope, Authorization="") is None
     assert scope_of(authorization_scope) is None

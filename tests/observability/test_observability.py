@@ -38,6 +38,7 @@ from flask_idempotency.observability import (
 from flask_idempotency.observability.prometheus import PrometheusMetrics, TableStatsCollector
 from flask_idempotency.observability.tracing import OpenTelemetryTracing
 from flask_idempotency.observer import scope_digest
+from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.store import StoreUnavailableError
 from support.core_app import CLIENT_AUTHORIZATION
 from support.dead_store import make_unreachable, store_unreachable
@@ -221,10 +222,10 @@ def test_every_outcome_is_counted_logged_and_labelled_once(
     assert levels["not_storable"] == "ERROR"
     first_event = events[0]
     assert first_event.key_digest == keys.log_key(  # type: ignore[attr-defined]
-        keys.record_key(keys.default_scope_from_header(CLIENT_AUTHORIZATION), SECRET)
+        keys.record_key(authorization_digest(CLIENT_AUTHORIZATION), SECRET)
     )
     assert first_event.scope_digest == scope_digest(  # type: ignore[attr-defined]
-        keys.default_scope_from_header(CLIENT_AUTHORIZATION)
+        authorization_digest(CLIENT_AUTHORIZATION)
     )
     assert first_event.duration_ms > 0 and first_event.claim_ms > 0  # type: ignore[attr-defined]
     assert first_event.completion_ms > 0  # type: ignore[attr-defined]
@@ -288,9 +289,7 @@ def test_spans_for_the_claim_the_replay_and_the_completion(
     app = make_app()
     OpenTelemetryTracing(app, tracer_provider=provider)
     tracer = provider.get_tracer("test")
-    digest = keys.log_key(
-        keys.record_key(keys.default_scope_from_header(CLIENT_AUTHORIZATION), SECRET)
-    )
+    digest = keys.log_key(keys.record_key(authorization_digest(CLIENT_AUTHORIZATION), SECRET))
 
     with tracer.start_as_current_span("POST /charges") as server:
         assert post(app, {}, SECRET).status_code == 201

@@ -132,3 +132,26 @@ def test_a_replay_from_redis_gets_fresh_cors_headers(
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert retry.headers.getlist("Access-Control-Allow-Origin") == [TWO]
     assert "Set-Cookie" not in retry.headers
+
+
+def test_a_replay_from_redis_follows_the_configured_list_too(
+    make_trust_app: MakeTrustApp, clean_db: str, clean_redis: str
+) -> None:
+    """The same headers come back whether PostgreSQL or Redis answers: with
+    CORS's headers left to be stored, a Redis replay carries them as a PostgreSQL
+    one does, and drops the configured request id."""
+    app = make_trust_app(
+        SECRET_KEY="trust-tests",
+        IDEMPOTENCY_REDIS_URL=clean_redis,
+        IDEMPOTENCY_REDIS_OPTIONS={"fill": "completion"},
+        IDEMPOTENCY_NOT_REPLAYED_HEADERS=["x-request-ID"],
+    )
+    assert charge(app, ONE).status_code == 201
+    from_postgres = charge(app, TWO, request_id="r2")  # (Redis is filled on completion)
+    query(clean_db, "DELETE FROM idempotency_records")
+    from_redis = charge(app, TWO, request_id="r3")
+    for retry in (from_postgres, from_redis):
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert retry.headers.getlist("X-Request-Id") == []
+        # Stored with the answer, so replayed (the CORS layer leaves it alone).
+        assert retry.headers.getlist("Access-Control-Allow-Origin") == [ONE]

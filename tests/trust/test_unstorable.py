@@ -68,6 +68,7 @@ def test_the_stores_own_refusal_gives_the_same_answer(
         assert answer.status_code == 500
         assert answer.get_json()["error"]["code"] == "response_not_storable"
         assert "Retry-After" not in answer.headers
+        assert answer.headers["Stripe-Should-Retry"] == "false"
         assert counts(clean_db) == (0, 0, attempt)
     ok = app.test_client().post("/echo", json={"echo": "ok"}, headers={"Idempotency-Key": "e3"})
     assert ok.status_code == 201

@@ -123,6 +123,9 @@ def test_settings_are_read_and_validated() -> None:
         {"database_url": "postgresql://x", "ttl": timedelta(hours=1), "lease": "10", "wait": 0}
     )
     assert settings.ttl == 3600 and settings.lease == 10 and settings.renew_interval == 10 / 3
+    # None is the default of any setting but a function (an unset environment variable).
+    defaults = settings_from_config({"database_url": "x", "ttl": None, "key_header": None})
+    assert (defaults.ttl, defaults.key_header) == (86400.0, "Idempotency-Key")
     bad_configs = [
         ({}, "DATABASE_URL"),
         ({"database_url": "x", "ttl": -1}, "TTL"),
@@ -130,6 +133,10 @@ def test_settings_are_read_and_validated() -> None:
         ({"database_url": "x", "ttl": 5, "lease": 10}, "at least"),
         ({"database_url": "x", "lease_renew_interval": 60}, "RENEW"),
         ({"database_url": "x", "scope_func": "nope"}, "callable"),
+        ({"database_url": "x", "scope_func": None}, "SCOPE_FUNC must be callable"),
+        ({"database_url": "x", "wait": True}, "WAIT must be a number of seconds"),
+        ({"database_url": "x", "retry_after": "1.5"}, "RETRY_AFTER must be an integer"),
+        ({"database_url": "x", "wait": -1}, "WAIT must not be negative"),
         ({"database_url": "x", "no_such_key": 1}, "Unknown"),
         ({"database_url": "x", "auto_migrate": "maybe"}, "boolean"),
     ]
@@ -154,7 +161,7 @@ def test_settings_are_read_and_validated() -> None:
     ],
 )
 def test_canonical_body_is_the_sorted_json_of_what_json_loads_reads(body: bytes) -> None:
-    """The fast path (a body opening with { or [ decoded as UTF-8) changes nothing."""
+    """Whatever encoding ``json.loads`` detects (UTF-8, -16, a BOM), or the raw bytes."""
     try:
         expected = json.dumps(
             json.loads(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False
@@ -175,14 +182,13 @@ _JSON_VALUES = st.recursive(
 
 @given(value=_JSON_VALUES)
 @settings(max_examples=300, deadline=None)
-def test_the_canonical_encoder_made_once_writes_what_json_dumps_writes(value: object) -> None:
-    """The fingerprint's encoder (its C encoder made once, no circular check) gives
-    byte for byte what ``json.dumps(sort_keys=True, ...)`` gives, NaN and
-    surrogates included."""
-    from flask_idempotency.fingerprint import _encode_canonical
-
+def test_a_canonical_body_is_what_json_dumps_writes_sorted(value: object) -> None:
+    """Any JSON value, sent any way, compares as ``json.dumps(sort_keys=True, ...)``
+    writes it, byte for byte, NaN and surrogates included."""
     expected = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    assert _encode_canonical(value) == expected
+    for sent in (json.dumps(value), json.dumps(value, indent=2, ensure_ascii=False)):
+        body = sent.encode("utf-8", "surrogatepass")
+        assert canonical_body("application/json", body) == expected.encode("utf-8", "surrogatepass")
 
 
 def test_route_options_hash_once_and_compare_by_value() -> None:

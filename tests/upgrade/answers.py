@@ -7,8 +7,9 @@ from typing import Any
 from support.http_client import HttpResponse
 
 #: Headers that differ between two answers of one stored response by design: the
-#: server's clock and name, and whether this one was a replay.
-PER_ANSWER = frozenset({"connection", "date", "server", "idempotent-replayed"})
+#: server's clock and name, whether this one was a replay, and the request's own
+#: key, which 0.3.0 echoes (never stored) and 0.2.x does not.
+PER_ANSWER = frozenset({"connection", "date", "server", "idempotent-replayed", "idempotency-key"})
 
 
 def seen(answer: HttpResponse) -> tuple[int, list[tuple[str, str]], bytes]:
