@@ -14,8 +14,8 @@ In both, a replay whose body was too large to store says so with
 ``Idempotency-Body-Omitted: true`` (a name of its own: one header per meaning).
 
 The ``stripe`` profile also sends what Stripe's SDKs read: the answers to a keyed
-request (once its scope and body are read) echo its ``Idempotency-Key``, and the extension's errors that a
-retry cannot change (its ``400``s, ``422``, and the final ``500``s) carry
+request (once its scope and body are read) echo its ``Idempotency-Key``, and the
+extension's errors that a retry cannot change (its ``400``s, ``422``, and the final ``500``s) carry
 ``Stripe-Should-Retry: false``, since those SDKs otherwise retry every ``500``.
 """
 
