@@ -8,8 +8,7 @@ see these types; driver errors are translated at the store's boundary into
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
@@ -111,7 +110,7 @@ class RecordInfo:
 
 
 class Store(Protocol):
-    """What the extension needs from a durable store."""
+    """What the lease keeper needs of a durable store (``lease.py``)."""
 
     def renew(self, holds: Sequence[LeaseHold]) -> int:
         """Renew ``holds`` on a connection that no request holds (the keeper's own)."""
@@ -121,21 +120,33 @@ class Store(Protocol):
         """Open the renewal connection ahead of time (best effort, never raises)."""
         ...
 
-    def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]: ...
 
-    def purge(self, batch_size: int) -> Iterator[list[bytes]]: ...
+class RequestHandle:
+    """One request's hold on its record, from its claim to completion or release
+    (``request.py``'s two claim modes, ``memory.py``'s). The facts the Flask layer,
+    the keeper and the completer read off any handle, with their defaults: class
+    attributes, so a handle made for every request costs no ``__init__`` here."""
 
-    def count_expired(self) -> int: ...
+    #: Whether the claim is a processing row whose lease the keeper must renew
+    #: (row mode); a transaction-mode claim lives and dies with its session.
+    holds_lease = True
+    #: The record holds committed recovery points (claimed with them, or one
+    #: committed since): a release keeps it for the next attempt to resume.
+    has_progress: bool = False
+    #: This request's transaction is open; never, for a store without one.
+    _in_transaction: bool = False
 
-    def info(self, record_key: bytes) -> RecordInfo | None: ...
-
-    def unlock(self, record_key: bytes) -> bool: ...
-
-    def ping(self) -> None: ...
-
-    def transaction(self) -> AbstractContextManager[Any]: ...
-
-    def close(self) -> None: ...
+    def claim(
+        self,
+        record_key: bytes,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        recovery: bytes | None = None,
+    ) -> ClaimResult:
+        """Claim ``record_key`` for this request, or read who has it."""
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from .errors import is_unreachable
 from .maintenance import Maintenance
 from .pool import Connection, EnginePool, build_engine
 from .request import PostgresRequest, RowClaimRequest, TransactionClaimRequest
-from .runner import Outcome, run, watched
+from .runner import NoAnswer, lost, run, watched
 from .sql import CLIENT_DEADLINE_GRACE, Statements, timeouts_sql
 
 log = logging.getLogger("flask_idempotency.store")
@@ -155,30 +155,25 @@ class PostgresStore(Maintenance):
         pooled connection that died while idle is replaced once and not counted, as
         a claim's is: a health check just after a restart finds the server up."""
         self.breaker.admit()
-        if not self._ping(retried_if_lost=True):
-            self._ping(retried_if_lost=False)
-
-    def _ping(self, *, retried_if_lost: bool) -> bool:
-        """``SELECT 1`` on a pooled connection: True once answered; False when
-        ``retried_if_lost`` and the connection was lost (the caller tries a fresh
-        one); ``StoreUnavailableError`` else."""
-        outcome = Outcome()
-        try:
-            with self.autocommit() as conn:
-                run(
-                    conn,
-                    self.driver,
-                    self.statements.ping,
-                    deadline=self.deadline,
-                    breaker=self.breaker,
-                    retried_if_lost=retried_if_lost,
-                    outcome=outcome,
-                )
-        except StoreUnavailableError:
-            if outcome.lost and not outcome.fired and retried_if_lost:
-                return False
-            raise
-        return True
+        retry = True
+        while True:
+            sent = False
+            try:
+                with self.autocommit() as conn:
+                    sent = True
+                    run(
+                        conn,
+                        self.driver,
+                        self.statements.ping,
+                        deadline=self.deadline,
+                        breaker=self.breaker,
+                        retried_if_lost=retry,
+                    )
+                return
+            except StoreUnavailableError as exc:
+                if not (retry and sent and lost(exc)):
+                    raise
+                retry = False
 
     def prepare_renewals(self) -> None:
         """Open the lease keeper's connection ahead of its first renewal (best effort:
@@ -191,41 +186,31 @@ class PostgresStore(Maintenance):
 
     def renew(self, holds: Sequence[LeaseHold]) -> int:
         """Renew ``holds`` on the keeper's own connection, never a request slot: a pool
-        whose every connection is held by a slow view still gets its leases renewed."""
+        whose every connection is held by a slow view still gets its leases renewed.
+        A connection that died while the keeper waited (a restart, a healed
+        partition) is replaced at once, as renewing is idempotent, rather than a
+        whole interval later."""
         if not holds:
             return 0
-        params = (
-            [h.record_key for h in holds],
-            [h.token for h in holds],
-            [h.lease for h in holds],
-        )
+        params = ([h.record_key for h in holds], [h.token for h in holds], [h.lease for h in holds])
         retry = True
         with self._renew_lock:
             while True:
                 conn = self.pool.renewal_connection()
-                outcome = Outcome()
                 try:
-                    count = run(
-                        conn,
-                        self.driver,
-                        self.statements.renew,
-                        params,
-                        deadline=self.deadline,
-                        breaker=None,
-                        outcome=outcome,
+                    sql = self.statements.renew
+                    return int(
+                        run(conn, self.driver, sql, params, deadline=self.deadline, breaker=None)
                     )
                 except driver.ERRORS as exc:
-                    if outcome.lost:
+                    if is_unreachable(exc, conn):
                         self.pool.discard_renewal_connection()
-                    if outcome.lost and not outcome.fired and retry:
-                        # The keeper's connection died while it waited (a restart, a
-                        # healed partition): renewing is idempotent, so at once once
-                        # more on a fresh one rather than a whole interval later.
-                        retry = False
-                        continue
-                    reason = "no answer in time" if outcome.fired else type(exc).__name__
-                    raise StoreUnavailableError(f"renewal failed: {reason}") from exc
-                return int(count)
+                    if not (retry and lost(exc, conn)):
+                        reason = (
+                            "no answer in time" if isinstance(exc, NoAnswer) else type(exc).__name__
+                        )
+                        raise StoreUnavailableError(f"renewal failed: {reason}") from exc
+                    retry = False
 
     def inspect_schema(self, *, keep_connection: bool = True) -> schema.Problem | None:
         """What the database lacks of the extension's own schema, read from the

@@ -12,10 +12,10 @@ through ``runner.run`` (deadline, breaker, "unreachable"), and its text is
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from typing import Any, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from . import driver
 from .base import (
@@ -23,39 +23,26 @@ from .base import (
     ClaimResult,
     Existing,
     LeaseLostError,
+    RequestHandle,
     StoredResponse,
     StoreUnavailableError,
 )
-from .breaker import StoreBreaker
-from .driver import Driver, sqlstate
+from .driver import sqlstate
 from .errors import is_unreachable
-from .handle import RequestHandle
-from .pool import Checkout, Connection, EnginePool
-from .runner import Outcome, run
+from .pool import Checkout, Connection
+from .runner import NoAnswer, run
 from .schema import mismatch
 from .sql import (
     BUMP_RECOVERY_TOTAL,
     LEASE_LOST_SQLSTATE,
-    Statements,
     advisory_locks,
     headers_from_json,
     new_token,
     response_params,
 )
 
-
-class RequestStore(Protocol):
-    """What a request's handle uses of its store (``postgres.PostgresStore``)."""
-
-    pool: EnginePool
-    driver: Driver
-    #: Seconds before the watchdog gives up on one of our statements.
-    deadline: float
-    #: Opened by failures that mean PostgreSQL is not answering; requests then 503 at once.
-    breaker: StoreBreaker
-    #: The store's statements, one text per operation (``sql.Statements``).
-    statements: Statements
-
+if TYPE_CHECKING:
+    from .postgres import PostgresStore
 
 log = logging.getLogger("flask_idempotency.store")
 
@@ -76,7 +63,7 @@ class PostgresRequest(RequestHandle):
     autocommit mode.
     """
 
-    def __init__(self, store: RequestStore, *, guarded: bool = True) -> None:
+    def __init__(self, store: PostgresStore, *, guarded: bool = True) -> None:
         self._store = store
         #: The store's breaker, which this handle's statements report to and which
         #: refuses it at once while open; ``None`` for the application's own
@@ -93,65 +80,86 @@ class PostgresRequest(RequestHandle):
         """This request's connection, taken from the pool if it has none: at once
         ``StoreUnavailableError`` while the store's breaker is open, and a connect it
         needs ends by ``until`` (monotonic clock; the store's deadline from now)."""
+        breaker = self._breaker
         if self._conn is None:
-            breaker = self._breaker
-            if breaker is None:
-                self._conn = self._store.pool.getconn()
-                return self._conn
-            openings = breaker.admit()
-            terms = Checkout(
-                until if until is not None else time.monotonic() + self._store.deadline,
-                functools.partial(breaker.opened_since, openings),
-            )
+            terms = None
+            if breaker is not None:
+                until = until or time.monotonic() + self._store.deadline
+                terms = Checkout(until, partial(breaker.opened_since, breaker.admit()))
             try:
                 self._conn = self._store.pool.getconn(terms)
             except StoreUnavailableError as exc:
-                if isinstance(exc.__cause__, driver.ERRORS):  # a connect that failed
-                    breaker.failed(type(exc.__cause__).__name__)
+                if breaker is not None and isinstance(exc.__cause__, driver.ERRORS):
+                    breaker.failed(type(exc.__cause__).__name__)  # a connect that failed
                 raise
         return self._conn
 
-    def _seconds_left(self, until: float) -> float:
-        """What is left of the claim's deadline for its statement."""
-        left = until - time.monotonic()
-        if left <= 0:
-            raise StoreUnavailableError("the claim's deadline passed before it was sent")
-        return min(self._store.deadline, left)
+    def _send(
+        self,
+        what: str,
+        sql: str,
+        params: Any = None,
+        *,
+        fetch: bool = False,
+        retry: bool = False,
+        bounded: bool = False,
+        fenced: bool = False,
+        own: bool = False,
+    ) -> Any:
+        """Run one of the extension's statements on this request's connection
+        (``runner.run``: the deadline, the breaker); the first row if ``fetch``.
 
-    def _run_claim(self, sql: str, params: Any) -> Any:
-        """The claim's statement under one deadline for everything it waits on (the
-        pool, a connect, the statement), once more on a fresh connection when a pooled
-        one turns out dead (a restart): the statement never reached the server then."""
-        until = time.monotonic() + self._store.deadline
-        retried = False
+        ``retry``: nothing of this request's is on the connection yet, so a pooled
+        one that turns out dead (a restart) is replaced once (the statement never
+        reached the server). ``bounded`` (the claim): one deadline for everything it
+        waits on, the pool, a connect and the statement. A lost connection is
+        dropped (``StoreUnavailableError``); an error the server answered rolls the
+        transaction back and is a ``LeaseLostError`` when ``fenced`` and the record
+        was taken over, the driver's own error when it is the application's
+        (``own``: a deferred constraint at ``COMMIT``), else :func:`answered`.
+        """
+        until = time.monotonic() + self._store.deadline if bounded else None
         while True:
             conn = self._acquire(until)
+            seconds = self._store.deadline
+            if until is not None:
+                seconds = min(seconds, until - time.monotonic())
+                if seconds <= 0:
+                    raise StoreUnavailableError("the claim's deadline passed before it was sent")
             try:
-                return self._execute(
+                return run(
                     conn,
+                    self._store.driver,
                     sql,
                     params,
-                    fetch=True,
-                    seconds=self._seconds_left(until),
-                    retried_if_lost=not retried,
+                    deadline=seconds,
+                    breaker=self._breaker,
+                    fetch=fetch,
+                    # Cut after less than half the deadline (the claim's time went on
+                    # waiting for a connection): too little said about the server.
+                    counts=seconds >= self._store.deadline / 2,
+                    retried_if_lost=retry,
                 )
             except driver.ERRORS as exc:
-                unreachable = self._lost(exc)
-                if unreachable:
-                    self._drop()
-                if unreachable and not retried and not self._unresponsive:
-                    retried = True
-                    continue
-                if unreachable:
-                    raise StoreUnavailableError(f"claim failed: {type(exc).__name__}") from exc
-                # The server answered (a statement or lock timeout, a missing table):
-                # the connection is sound and goes back to the pool with the request.
-                raise answered("claim", exc) from exc
+                if not self._lost(exc):
+                    # The server answered (a statement or lock timeout, a missing
+                    # table): the connection is sound and stays with the request.
+                    self.rollback()
+                    if fenced and sqlstate(exc) == LEASE_LOST_SQLSTATE:
+                        raise LeaseLostError() from exc
+                    if own:
+                        raise
+                    raise answered(what, exc) from exc
+                self._drop()
+                if not retry or self._unresponsive:
+                    raise StoreUnavailableError(f"{what} failed: {type(exc).__name__}") from exc
+                retry = False
 
-    def held(self) -> Connection:
-        """This request's connection (taken from the pool if it has none yet),
-        whatever its transaction state; nothing is sent."""
-        return self._acquire()
+    def _lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` on this request's connection means it is gone; one cut at
+        its deadline marks the request unresponsive."""
+        self._unresponsive = self._unresponsive or isinstance(exc, NoAnswer)
+        return self._unresponsive or is_unreachable(exc, self._conn)
 
     def _drop(self, *, peers: bool = True) -> None:
         """Give back a connection that failed: it is not reused, nor (when the
@@ -163,75 +171,24 @@ class PostgresRequest(RequestHandle):
         if peers:
             self._store.pool.discard_idle()
 
-    def _execute(
-        self,
-        conn: Connection,
-        sql: str,
-        params: Any = None,
-        *,
-        fetch: bool = False,
-        seconds: float | None = None,
-        retried_if_lost: bool = False,
-    ) -> Any:
-        """Run one of the extension's own statements (``runner.run``) within
-        ``seconds`` (the store's deadline if not given); a statement the watchdog
-        cut marks the request unresponsive."""
-        deadline = self._store.deadline if seconds is None else seconds
-        outcome = Outcome()
-        try:
-            return run(
-                conn,
-                self._store.driver,
-                sql,
-                params,
-                deadline=deadline,
-                breaker=self._breaker,
-                fetch=fetch,
-                # Cut after less than half the deadline (the claim's time went on
-                # waiting for a connection): too little said about the server.
-                counts=deadline >= self._store.deadline / 2,
-                retried_if_lost=retried_if_lost,
-                outcome=outcome,
-            )
-        finally:
-            if outcome.fired:
-                self._unresponsive = True
-
-    def _lost(self, exc: BaseException) -> bool:
-        """Whether ``exc`` on this request's connection means it is gone."""
-        return self._unresponsive or is_unreachable(exc, self._conn)
-
-    def connection(self) -> Connection:
-        """The connection, in this request's transaction (opened now if it is not)."""
-        if self._in_transaction:
-            return self._acquire()
-        # Nothing of this request's transaction exists yet, so a pooled connection
-        # that died while idle (a keyless request's first statement after a restart)
-        # is retried once on a fresh one, as the claim is.
-        conn = self._acquire()
-        if not self._begin(conn, retried_if_lost=True):
-            self._begin(self._acquire(), retried_if_lost=False)
+    def held(self) -> Connection:
+        """This request's connection (taken from the pool if it has none yet),
+        whatever its transaction state; nothing is sent."""
         return self._acquire()
 
-    def _begin(self, conn: Connection, *, retried_if_lost: bool) -> bool:
-        """Send ``BEGIN`` on ``conn``: True once sent; False if ``retried_if_lost`` and
-        the connection turned out lost (dropped: the caller retries on a fresh one);
-        ``StoreUnavailableError`` otherwise."""
-        try:
-            self._execute(conn, "BEGIN", retried_if_lost=retried_if_lost)
-        except driver.ERRORS as exc:
-            unreachable = self._lost(exc)
-            self._drop(peers=unreachable)
-            if unreachable and retried_if_lost and not self._unresponsive:
-                return False
-            raise StoreUnavailableError(f"BEGIN failed: {type(exc).__name__}") from exc
-        self._in_transaction = True
-        return True
+    def connection(self) -> Connection:
+        """The connection, in this request's transaction (opened now if it is not).
+        Nothing of the transaction exists before, so a pooled connection that died
+        while idle (a keyless request's first statement after a restart) is
+        replaced once, as the claim's is."""
+        if not self._in_transaction:
+            self._send("BEGIN", "BEGIN", retry=True)
+            self._in_transaction = True
+        return self._acquire()
 
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         """Store ``response`` and commit, with the view's transaction if it opened one,
         in one round trip; ``LeaseLostError`` if the record was taken over."""
-        conn = self._acquire()
         answer = response_params(response)
         statements = self._store.statements
         params: tuple[Any, ...]
@@ -242,16 +199,7 @@ class PostgresRequest(RequestHandle):
             sql, params = statements.complete, (record_key, token, *answer)
         if not self._in_transaction:
             sql = "BEGIN;\n" + sql  # (its COMMIT must end a transaction)
-        try:
-            self._execute(conn, sql, params)
-        except driver.ERRORS as exc:
-            if self._lost(exc):
-                self._drop()
-                raise StoreUnavailableError(f"completion failed: {type(exc).__name__}") from exc
-            self._rollback()
-            if sqlstate(exc) == LEASE_LOST_SQLSTATE:
-                raise LeaseLostError() from exc
-            raise answered("completion", exc) from exc
+        self._send("completion", sql, params, fenced=True)
         self._in_transaction = False
         self._claimed = None
 
@@ -261,35 +209,31 @@ class PostgresRequest(RequestHandle):
         taken over (the transaction is rolled back). A view that had a transaction
         open gets a new one in the same round trip, so a connection it fetched
         before the phase never drops into autocommit."""
-        conn = self._acquire()
         sql = self._store.statements.checkpoint
         if not self._in_transaction:
             sql = "BEGIN;\n" + sql
         self._in_transaction = True
-        try:
-            self._execute(conn, sql, (record_key, token, phase, data_json))
-        except driver.ERRORS as exc:
-            if self._lost(exc):
-                self._drop()
-                raise StoreUnavailableError(f"checkpoint failed: {type(exc).__name__}") from exc
-            self._rollback()
-            if sqlstate(exc) == LEASE_LOST_SQLSTATE:
-                raise LeaseLostError() from exc
-            raise answered("checkpoint", exc) from exc
+        self._send("checkpoint", sql, (record_key, token, phase, data_json), fenced=True)
         self.has_progress = True
 
     def count_recovered(self) -> None:
         """Count one more recovered record in this request's transaction (the
         completer's total commits with the recovered answer, or not at all)."""
-        conn = self.connection()
-        with conn.cursor() as cur:
+        with self.connection().cursor() as cur:
             cur.execute(BUMP_RECOVERY_TOTAL, ("recovered",))
 
-    def _rollback(self) -> None:
+    def rollback(self) -> None:
+        """Roll back the view's transaction, if it opened one."""
         if self._conn is None or not self._in_transaction:
             return
         try:
-            self._execute(self._conn, "ROLLBACK")
+            run(
+                self._conn,
+                self._store.driver,
+                "ROLLBACK",
+                deadline=self._store.deadline,
+                breaker=self._breaker,
+            )
             self._in_transaction = False
         except driver.ERRORS as exc:
             self._drop(peers=self._lost(exc))
@@ -310,7 +254,7 @@ class PostgresRequest(RequestHandle):
         if self._claimed is not None:
             # Nothing was written but in this transaction: its rollback is the release.
             self._claimed = None
-            self._rollback()
+            self.rollback()
             return
         if self._conn is not None and self._conn.closed:
             # Lost under the view (its session is gone, and with it the transaction):
@@ -321,42 +265,27 @@ class PostgresRequest(RequestHandle):
         if self._in_transaction:
             sql = "ROLLBACK;\n" + sql
         try:
-            conn = self._acquire()
-            self._execute(conn, sql, (record_key, token))
+            self._send("release", sql, (record_key, token))
             self._in_transaction = False
-        except (*driver.ERRORS, StoreUnavailableError) as exc:  # type: ignore[misc]
+        except StoreUnavailableError as exc:
             log.warning(
-                "idempotency: release failed (%s); the lease will expire", type(exc).__name__
+                "idempotency: release failed (%s); the lease will expire",
+                type(exc.__cause__ or exc).__name__,
             )
-            unreachable = not isinstance(exc, driver.ERRORS) or self._lost(exc)
-            self._drop(peers=unreachable)
-
-    def rollback(self) -> None:
-        """Roll back the view's transaction, if it opened one (keyless requests)."""
-        self._rollback()
 
     def commit(self) -> None:
         """Commit the view's transaction on a keyless request; ``StoreUnavailableError``
         if the database went away, the driver's own error for anything else (a
         deferred constraint is the application's error, not an outage)."""
-        if not self._in_transaction or self._conn is None:
-            return
-        try:
-            self._execute(self._conn, "COMMIT")
-        except driver.ERRORS as exc:
-            if self._lost(exc):
-                self._drop()
-                raise StoreUnavailableError(f"COMMIT failed: {type(exc).__name__}") from exc
-            self._rollback()
-            raise
-        self._in_transaction = False
+        if self._in_transaction and self._conn is not None:
+            self._send("COMMIT", "COMMIT", own=True)
+            self._in_transaction = False
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._rollback()
-            conn, self._conn = self._conn, None
-            if conn is not None:
-                self._store.pool.putconn(conn, discard=bool(conn.closed))
+        self.rollback()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._store.pool.putconn(conn)
 
 
 class RowClaimRequest(PostgresRequest):
@@ -385,7 +314,9 @@ class RowClaimRequest(PostgresRequest):
             "recovery": recovery,
         }
         for _ in range(6):
-            row = self._run_claim(self._store.statements.claim, params)
+            row = self._send(
+                "claim", self._store.statements.claim, params, fetch=True, retry=True, bounded=True
+            )
             if row is None:
                 continue  # the row appeared or vanished concurrently; look again
             if row[0]:
@@ -413,12 +344,11 @@ class TransactionClaimRequest(PostgresRequest):
     ) -> ClaimResult:
         """Open the business transaction with the claim: ``Claimed`` leaves it open
         for the view; any other answer is for the caller to ``close()``."""
-        self._rollback()  # a waiting duplicate's earlier try
-        request_lock, key_lock = advisory_locks(record_key, fingerprint)
+        self.rollback()  # a waiting duplicate's earlier try
+        sql = self._store.statements.claim_in_transaction
+        params = (record_key, *advisory_locks(record_key, fingerprint))
         try:
-            row = self._run_claim(
-                self._store.statements.claim_in_transaction, (record_key, request_lock, key_lock)
-            )
+            row = self._send("claim", sql, params, fetch=True, retry=True, bounded=True)
         except StoreUnavailableError:
             if self._conn is not None:
                 self._in_transaction = True  # (its BEGIN ran: roll it back on close)

@@ -276,10 +276,10 @@ def test_expired_records_are_swept_without_any_command() -> None:
     forget expired records now and then, so the store does not grow for ever."""
     store = MemoryStore()
     for n in range(SWEEP_EVERY - 1):
-        store.claim(b"old-%d" % n, b"fp", lease=1, ttl=1)
+        store.begin().claim(b"old-%d" % n, b"fp", lease=1, ttl=1)
     store.advance(2)
     assert store.stats()["expired"] == SWEEP_EVERY - 1
-    store.claim(b"new", b"fp", lease=1, ttl=1)  # the claim that sweeps
+    store.begin().claim(b"new", b"fp", lease=1, ttl=1)  # the claim that sweeps
     assert store.stats() == {"processing": 1, "completed": 0, "expired": 0}
 
 
@@ -291,10 +291,11 @@ def test_a_records_ttl_counts_from_its_claim_unless_the_view_was_slow() -> None:
     answer = StoredResponse(201, (), b"{}")
     remaining = {}
     for name, view_seconds in (("fast", 1.0), ("slow", 50 * 60.0)):
-        claimed = store.claim(name.encode(), b"fp", lease=30, ttl=3600)
+        handle = store.begin()
+        claimed = handle.claim(name.encode(), b"fp", lease=30, ttl=3600)
         assert isinstance(claimed, Claimed)
         store.advance(view_seconds)
-        store.complete(name.encode(), claimed.token, answer)
+        handle.complete(name.encode(), claimed.token, answer)
         info = store.info(name.encode())
         assert info is not None
         remaining[name] = (info.expires_at - info.completed_at).total_seconds()  # type: ignore[operator]
