@@ -84,6 +84,11 @@ class Existing:
 ClaimResult = Claimed | Existing
 
 
+def phases_of(column: Any) -> tuple[tuple[str, Any], ...]:
+    """The recovery points a record's ``phases`` column holds, in order."""
+    return tuple((str(name), data) for name, data in column or ())
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseHold:
     """One in-flight claim, as the lease keeper renews it."""

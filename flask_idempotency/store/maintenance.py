@@ -10,12 +10,11 @@ instead of hanging an operator's command, a completer or a consumer.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .base import RecordInfo, Taken
+from .base import RecordInfo, Taken, phases_of
 from .driver import Driver
 from .pool import Connection
 from .runner import watched
@@ -41,14 +40,6 @@ from .sql import (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Ran:
-    """What one maintenance statement returned."""
-
-    rowcount: int
-    rows: list[tuple[Any, ...]]
-
-
 class Maintenance:
     """Mixed into :class:`~.postgres.PostgresStore`, which provides the pool's
     connections, the ``SET LOCAL`` prefix and the deadline."""
@@ -60,67 +51,59 @@ class Maintenance:
     def autocommit(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
 
-    def _run(self, sql: str, params: Any = None) -> Ran:
+    def _run(self, sql: str, params: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
         """``sql`` as one implicit transaction, under the store's timeouts (sent in
-        the same round trip) and the watchdog's deadline."""
+        the same round trip) and the watchdog's deadline: the number of rows it
+        touched, and those it returned."""
         with self.autocommit() as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
                 self.driver.execute(cur, self.timeouts + sql, params)
-                rows = cur.fetchall() if cur.description is not None else []
-                return Ran(cur.rowcount, rows)
+                return cur.rowcount, cur.fetchall() if cur.description is not None else []
+
+    def _rows(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        return self._run(sql, params)[1]
+
+    def _figures(self, sql: str, names: str) -> dict[str, float]:
+        """The one row of ``sql``, as floats under ``names`` (space-separated)."""
+        return dict(zip(names.split(), map(float, self._rows(sql)[0]), strict=True))
 
     def count_expired(self) -> int:
-        return int(self._run(COUNT_EXPIRED).rows[0][0])
+        return int(self._rows(COUNT_EXPIRED)[0][0])
 
     def purge(self, batch_size: int) -> Iterator[list[bytes]]:
         """Delete expired rows a batch at a time (each its own transaction), yielding
         the deleted keys so a cache can evict them too."""
         while True:
-            keys = [bytes(r[0]) for r in self._run(PURGE_BATCH, (batch_size,)).rows]
+            keys = [bytes(r[0]) for r in self._rows(PURGE_BATCH, (batch_size,))]
             if keys:
                 yield keys
             if len(keys) < batch_size:
                 return
 
     def info(self, record_key: bytes) -> RecordInfo | None:
-        rows = self._run(INFO, (record_key,)).rows
+        rows = self._rows(INFO, (record_key,))
         if not rows:
             return None
-        row = rows[0]
+        state, created, expires, completed, lease, status, body, headers, age, expired = rows[0]
+        body = None if body is None else bytes(body)
+        headers = headers_from_json(headers)
         return RecordInfo(
-            state=row[0],
-            created_at=row[1],
-            expires_at=row[2],
-            completed_at=row[3],
-            lease_expires_at=row[4],
-            status=row[5],
-            body=bytes(row[6]) if row[6] is not None else None,
-            headers=headers_from_json(row[7]),
-            age_seconds=float(row[8]),
-            expired=bool(row[9]),
+            state, created, expires, completed, lease, status, body, headers, float(age), expired
         )
 
     def stats(self) -> dict[str, float]:
-        row = self._run(STATS).rows[0]
-        names = (
-            "processing",
-            "completed",
-            "expired",
-            "lease_expired",
-            "oldest_processing_seconds",
-            "takeovers",
-        )
-        return {name: float(value) for name, value in zip(names, row, strict=True)}
+        names = "processing completed expired lease_expired oldest_processing_seconds takeovers"
+        return self._figures(STATS, names)
 
     def unlock(self, record_key: bytes) -> bool:
-        return self._run(UNLOCK, (record_key,)).rowcount > 0
+        return self._run(UNLOCK, (record_key,))[0] > 0
 
     # -- the completer (``completer.py``) ----------------------------------------
 
     def recovery_cutoff(self, older_than: float) -> Any:
         """The server's ``now() - older_than``: a pass recovers what was abandoned
         before it (measured on one clock, the database's)."""
-        return self._run(PASS_CUTOFF, (older_than,)).rows[0][0]
+        return self._rows(PASS_CUTOFF, (older_than,))[0][0]
 
     def take_over(self, cutoff: Any, limit: int, lease: float) -> list[Taken]:
         """Take up to ``limit`` records abandoned before ``cutoff`` over, each under
@@ -133,20 +116,20 @@ class Maintenance:
         }
         return [
             Taken(
-                record_key=bytes(r[0]),
-                fingerprint=bytes(r[1]),
-                token=int(r[2]),
-                recovery=bytes(r[3]),
-                phases=tuple((str(name), data) for name, data in r[4] or ()),
-                abandoned_seconds=max(0.0, float(r[5])),
+                bytes(key),
+                bytes(fp),
+                int(token),
+                bytes(recovery),
+                phases_of(phases),
+                max(0.0, float(s)),
             )
-            for r in self._run(TAKE_OVER, params).rows
+            for key, fp, token, recovery, phases, s in self._rows(TAKE_OVER, params)
         ]
 
     def hand_back(self, record_key: bytes, token: int) -> bool:
         """End our lease on a record at once, keeping it ("cannot tell yet"); False
         if it is no longer ours."""
-        return self._run(END_LEASE, (record_key, token)).rowcount == 1
+        return self._run(END_LEASE, (record_key, token))[0] == 1
 
     def release_abandoned(self, record_key: bytes, token: int, *, keep_phases: bool) -> bool:
         """ "Nothing happened": delete the record (or, with committed recovery points,
@@ -167,22 +150,15 @@ class Maintenance:
         """Abandoned records now (``abandoned``: processing, lease ended, not taken
         over; ``recoverable``: those of ``recover=`` routes; how long the oldest has
         waited) and the completer's totals (``recovered``, ``recovery_released``)."""
-        row = self._run(RECOVERY_STATS).rows[0]
-        names = (
-            "abandoned",
-            "recoverable",
-            "oldest_abandoned_seconds",
-            "recovered",
-            "recovery_released",
-        )
-        return {name: float(value) for name, value in zip(names, row, strict=True)}
+        names = "abandoned recoverable oldest_abandoned_seconds recovered recovery_released"
+        return self._figures(RECOVERY_STATS, names)
 
     # -- the consumer guard (``events/consumer.py``) ------------------------------
 
     def attempts_so_far(self, record_key: bytes, token: int) -> int | None:
         """Earlier attempts at a message we hold (its takeovers); ``None`` if the
         record is no longer ours."""
-        rows = self._run(ATTEMPTS_SO_FAR, (record_key, token)).rows
+        rows = self._rows(ATTEMPTS_SO_FAR, (record_key, token))
         return int(rows[0][0]) if rows else None
 
     def fail_attempt(self, record_key: bytes, token: int) -> None:
@@ -203,9 +179,9 @@ class Maintenance:
     def last_runs(self) -> dict[str, tuple[float, str | None]]:
         """Seconds since each kind of worker last reported (the server's clock), and
         the ``host:pid`` that did."""
-        return {row[0]: (float(row[1]), row[2]) for row in self._run(LAST_RUNS).rows}
+        return {worker: (float(ago), seen_on) for worker, ago, seen_on in self._rows(LAST_RUNS)}
 
     def read(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         """The rows of a read-only query under the store's timeouts and deadline
         (``flask idempotency doctor``'s look at the server's settings and statistics)."""
-        return self._run(sql, params).rows
+        return self._rows(sql, params)

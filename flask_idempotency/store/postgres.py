@@ -23,7 +23,7 @@ from .breaker import StoreBreaker
 from .errors import is_unreachable
 from .maintenance import Maintenance
 from .pool import Connection, EnginePool, build_engine
-from .request import PostgresRequest, RowClaimRequest, TransactionClaimRequest
+from .request import PostgresRequest
 from .runner import NoAnswer, lost, run, watched
 from .sql import CLIENT_DEADLINE_GRACE, Statements, timeouts_sql
 
@@ -103,9 +103,7 @@ class PostgresStore(Maintenance):
 
     def begin(self) -> PostgresRequest:
         """A new request's handle, in this store's claim mode."""
-        if self.claim_mode == "transaction":
-            return TransactionClaimRequest(self)
-        return RowClaimRequest(self)
+        return PostgresRequest(self)
 
     @contextmanager
     def autocommit(self, *, discard: bool = False) -> Iterator[Connection]:
@@ -136,7 +134,7 @@ class PostgresStore(Maintenance):
         the client-side deadline: one waiting for a synchronous standby that is
         gone ignores ``statement_timeout``, and its outcome is then unknown (503).
         """
-        request = RowClaimRequest(self, guarded=False)
+        request = PostgresRequest(self, guarded=False)
         try:
             conn = request.connection()
             try:
@@ -150,30 +148,15 @@ class PostgresStore(Maintenance):
             request.close()
 
     def ping(self) -> None:
-        """One short statement under the extension's timeouts (health checks); at once
-        ``StoreUnavailableError`` while the breaker is open, which it may probe. A
-        pooled connection that died while idle is replaced once and not counted, as
-        a claim's is: a health check just after a restart finds the server up."""
-        self.breaker.admit()
-        retry = True
-        while True:
-            sent = False
-            try:
-                with self.autocommit() as conn:
-                    sent = True
-                    run(
-                        conn,
-                        self.driver,
-                        self.statements.ping,
-                        deadline=self.deadline,
-                        breaker=self.breaker,
-                        retried_if_lost=retry,
-                    )
-                return
-            except StoreUnavailableError as exc:
-                if not (retry and sent and lost(exc)):
-                    raise
-                retry = False
+        """One short statement under the extension's timeouts (health checks), sent as
+        a request's are: at once ``StoreUnavailableError`` while the breaker is open,
+        which it may probe; a pooled connection that died while idle is replaced once
+        and not counted, so a health check just after a restart finds the server up."""
+        request = PostgresRequest(self)
+        try:
+            request._send("ping", self.statements.ping, retry=True)
+        finally:
+            request.close()
 
     def prepare_renewals(self) -> None:
         """Open the lease keeper's connection ahead of its first renewal (best effort:

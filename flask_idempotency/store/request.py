@@ -1,11 +1,10 @@
 """One request's connection, from claim to completion or release.
 
-Two claim modes, one class each, chosen by ``IDEMPOTENCY_CLAIM_MODE``:
-:class:`RowClaimRequest` commits a processing row of its own and holds it with
-a lease; :class:`TransactionClaimRequest` opens the business transaction with
-the claim, under advisory locks, and its COMMIT inserts the completed record.
-Everything else (the view's transaction, the completion's fencing, the
-release, recovery points) is :class:`PostgresRequest`'s. Every statement goes
+Two claim modes, chosen by ``IDEMPOTENCY_CLAIM_MODE``: row mode commits a
+processing row of its own and holds it with a lease; transaction mode opens the
+business transaction with the claim, under advisory locks, and its COMMIT
+inserts the completed record. Everything else (the view's transaction, the
+completion's fencing, the release, recovery points) is shared. Every statement goes
 through ``runner.run`` (deadline, breaker, "unreachable"), and its text is
 ``sql.Statements``' one for the operation.
 """
@@ -26,6 +25,7 @@ from .base import (
     RequestHandle,
     StoredResponse,
     StoreUnavailableError,
+    phases_of,
 )
 from .driver import sqlstate
 from .errors import is_unreachable
@@ -65,6 +65,11 @@ class PostgresRequest(RequestHandle):
 
     def __init__(self, store: PostgresStore, *, guarded: bool = True) -> None:
         self._store = store
+        #: Row mode: the claim is a ``processing`` row committed on its own (one
+        #: statement), kept alive by the lease keeper, which the completion fills in.
+        #: Transaction mode (``holds_lease`` false): the claim opens the business
+        #: transaction, under advisory locks, and its COMMIT inserts the record.
+        self.holds_lease = store.claim_mode != "transaction"
         #: The store's breaker, which this handle's statements report to and which
         #: refuses it at once while open; ``None`` for the application's own
         #: transactions outside idempotent routes (``PostgresStore.transaction``).
@@ -170,6 +175,62 @@ class PostgresRequest(RequestHandle):
             self._store.pool.putconn(conn, discard=True)
         if peers:
             self._store.pool.discard_idle()
+
+    def claim(
+        self,
+        record_key: bytes,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        recovery: bytes | None = None,
+    ) -> ClaimResult:
+        """Claim ``record_key`` for this request, or read who has it. ``recovery`` is
+        kept with a row-mode claim for ``flask idempotency recover`` (``recovery.py``)."""
+        if not self.holds_lease:
+            return self._claim_in_transaction(record_key, fingerprint, ttl)
+        token = new_token()
+        params = dict(
+            key=record_key, fp=fingerprint, token=token, lease=lease, ttl=ttl, recovery=recovery
+        )
+        for _ in range(6):
+            row = self._send("claim", self._store.statements.claim, params, **CLAIMING)
+            if row is None:
+                continue  # the row appeared or vanished concurrently; look again
+            if not row[0]:
+                return _existing(*row[1:8])
+            phases = phases_of(row[8])
+            self.has_progress = bool(phases)
+            return Claimed(token, phases, takeover=bool(row[9]))
+        raise StoreUnavailableError("claim did not settle after repeated concurrent changes")
+
+    def _claim_in_transaction(
+        self, record_key: bytes, fingerprint: bytes, ttl: float
+    ) -> ClaimResult:
+        """Transaction mode: open the business transaction with the claim (one round
+        trip, two advisory locks; no processing row, no lease). ``Claimed`` leaves it
+        open for the view; any other answer is for the caller to ``close()``."""
+        self.rollback()  # a waiting duplicate's earlier try
+        sql = self._store.statements.claim_in_transaction
+        params = (record_key, *advisory_locks(record_key, fingerprint))
+        try:
+            row = self._send("claim", sql, params, **CLAIMING)
+        except StoreUnavailableError:
+            if self._conn is not None:
+                self._in_transaction = True  # (its BEGIN ran: roll it back on close)
+            raise
+        self._in_transaction = True
+        if row is not None and not row[0]:
+            # Held by a live transaction: the same request (409), or another (422).
+            return Existing("processing", fingerprint if row[1] else b"", None)
+        dead_holder = (
+            row is not None and row[2] == "processing" and row[7] is not None and row[7] <= 0
+        )
+        if row is None or (dead_holder and bytes(row[3]) == fingerprint):
+            # New, or a dead row-mode holder of this request the completion takes over.
+            self._claimed = (fingerprint, ttl)
+            return Claimed(new_token())  # names the attempt; the locks fence
+        return _existing(*row[2:9])
 
     def held(self) -> Connection:
         """This request's connection (taken from the pool if it has none yet),
@@ -288,100 +349,16 @@ class PostgresRequest(RequestHandle):
             self._store.pool.putconn(conn)
 
 
-class RowClaimRequest(PostgresRequest):
-    """Row mode: the claim is a ``processing`` row committed on its own (one
-    statement), kept alive by the lease keeper (``holds_lease``, as every handle's
-    default); the completion fills it in."""
-
-    def claim(
-        self,
-        record_key: bytes,
-        fingerprint: bytes,
-        *,
-        lease: float,
-        ttl: float,
-        recovery: bytes | None = None,
-    ) -> ClaimResult:
-        """Claim ``record_key`` for this request, or read who has it. ``recovery`` is
-        kept with a row-mode claim for ``flask idempotency recover`` (``recovery.py``)."""
-        token = new_token()
-        params = {
-            "key": record_key,
-            "fp": fingerprint,
-            "token": token,
-            "lease": lease,
-            "ttl": ttl,
-            "recovery": recovery,
-        }
-        for _ in range(6):
-            row = self._send(
-                "claim", self._store.statements.claim, params, fetch=True, retry=True, bounded=True
-            )
-            if row is None:
-                continue  # the row appeared or vanished concurrently; look again
-            if row[0]:
-                phases = tuple((str(name), data) for name, data in row[8] or ())
-                self.has_progress = bool(phases)
-                return Claimed(token, phases, takeover=bool(row[9]))
-            return _existing(row)
-        raise StoreUnavailableError("claim did not settle after repeated concurrent changes")
+#: How a claim is sent: one deadline for the pool, a connect and the statement, and
+#: once more on a fresh connection if a pooled one turns out dead.
+CLAIMING: dict[str, bool] = {"fetch": True, "retry": True, "bounded": True}
 
 
-class TransactionClaimRequest(PostgresRequest):
-    """Transaction mode: the business transaction opens with the claim (one round
-    trip, two advisory locks); no processing row and no lease."""
-
-    holds_lease = False
-
-    def claim(
-        self,
-        record_key: bytes,
-        fingerprint: bytes,
-        *,
-        lease: float,
-        ttl: float,
-        recovery: bytes | None = None,
-    ) -> ClaimResult:
-        """Open the business transaction with the claim: ``Claimed`` leaves it open
-        for the view; any other answer is for the caller to ``close()``."""
-        self.rollback()  # a waiting duplicate's earlier try
-        sql = self._store.statements.claim_in_transaction
-        params = (record_key, *advisory_locks(record_key, fingerprint))
-        try:
-            row = self._send("claim", sql, params, fetch=True, retry=True, bounded=True)
-        except StoreUnavailableError:
-            if self._conn is not None:
-                self._in_transaction = True  # (its BEGIN ran: roll it back on close)
-            raise
-        self._in_transaction = True
-        if row is None:
-            self._claimed = (fingerprint, ttl)
-            return Claimed(new_token())  # names the attempt; the locks fence
-        locked, same_request, state, stored_fingerprint = row[:4]
-        if not locked:
-            # Held by a live transaction: the same request (409), or another (422).
-            return Existing("processing", fingerprint if same_request else b"", None)
-        stored_fingerprint = bytes(stored_fingerprint)
-        if state == "processing" and row[7] is not None and row[7] <= 0:
-            if stored_fingerprint == fingerprint:
-                # A dead row-mode holder of this request: the completion takes it over.
-                self._claimed = (fingerprint, ttl)
-                return Claimed(new_token())  # names the attempt; the locks fence
-        response = None
-        if state == "completed":
-            response = StoredResponse(int(row[4]), headers_from_json(row[5]), bytes(row[6]))
-        return Existing(state, stored_fingerprint, response, row[7], row[8])
-
-
-def _existing(row: tuple[Any, ...]) -> Existing:
-    """The record a row-mode claim found and may not take, from the claim's columns."""
+def _existing(
+    state: Any, fingerprint: Any, status: Any, headers: Any, body: Any, lease: Any, ttl: Any
+) -> Existing:
+    """The record a claim found and may not take, from the claim's columns."""
     response = None
-    if row[1] == "completed":
-        response = StoredResponse(int(row[3]), headers_from_json(row[4]), bytes(row[5]))
-    return Existing(
-        state=row[1],
-        fingerprint=bytes(row[2]),
-        response=response,
-        lease_remaining=row[6],
-        ttl_remaining=row[7],
-    )
+    if state == "completed":
+        response = StoredResponse(int(status), headers_from_json(headers), bytes(body))
+    return Existing(state, bytes(fingerprint), response, lease, ttl)
