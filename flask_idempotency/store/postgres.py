@@ -162,8 +162,8 @@ class PostgresStore(Maintenance):
         """Open the lease keeper's connection ahead of its first renewal (best effort:
         a failure here is retried by the renewal)."""
         try:
-            with self._renew_lock:
-                self.pool.renewal_connection()
+            with self._renew_lock, self.pool.renewal():
+                pass
         except StoreUnavailableError as exc:
             log.warning("idempotency: no connection for lease renewals yet: %s", exc)
 
@@ -179,16 +179,16 @@ class PostgresStore(Maintenance):
         retry = True
         with self._renew_lock:
             while True:
-                conn = self.pool.renewal_connection()
                 try:
-                    sql = self.statements.renew
-                    return int(
-                        run(conn, self.driver, sql, params, deadline=self.deadline, breaker=None)
-                    )
+                    with self.pool.renewal() as conn:
+                        sql = self.statements.renew
+                        return int(
+                            run(
+                                conn, self.driver, sql, params, deadline=self.deadline, breaker=None
+                            )
+                        )
                 except driver.ERRORS as exc:
-                    if is_unreachable(exc, conn):
-                        self.pool.discard_renewal_connection()
-                    if not (retry and lost(exc, conn)):
+                    if not (retry and lost(exc)):
                         reason = (
                             "no answer in time" if isinstance(exc, NoAnswer) else type(exc).__name__
                         )
