@@ -195,25 +195,26 @@ class PostgresStore(Maintenance):
                         raise StoreUnavailableError(f"renewal failed: {reason}") from exc
                     retry = False
 
-    def inspect_schema(self, *, keep_connection: bool = True) -> schema.Problem | None:
+    def inspect_schema(self) -> schema.Problem | None:
         """What the database lacks of the extension's own schema, read from the
         migrations ledger under the extension's timeouts; ``None`` when it is in
-        place. ``StoreUnavailableError`` when PostgreSQL does not answer."""
-        with self.autocommit(discard=not keep_connection) as conn:
+        place. ``StoreUnavailableError`` when PostgreSQL does not answer.
+
+        On a connection closed after it: read in ``init_app`` too, where an app
+        built before a fork (gunicorn's ``--preload``) must not leave its workers
+        a socket of the parent's in the pool."""
+        with self.autocommit(discard=True) as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
                 return schema.inspect(cur, self._migration_names)
 
     def check_schema_at_start(self) -> schema.Problem | None:
-        """:meth:`inspect_schema` for ``init_app``, on a connection closed after it:
-        an app built before a fork (gunicorn's ``--preload``) must not leave its
-        workers a shared socket in a pool that cannot tell (SQLAlchemy's)."""
-        return self.schema.check(lambda: self.inspect_schema(keep_connection=False))
+        return self.schema.check()
 
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         """The migrations this database has not applied (``flask idempotency doctor``)."""
-        found = migrations.all_migrations(extra_dirs)
+        names = [name for name, _ in migrations.all_migrations(extra_dirs)]
         with self.autocommit() as conn, self.driver.cursor(conn) as cur:
-            return migrations.pending(cur, found)
+            return migrations.pending(cur, names)
 
     def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         found = migrations.all_migrations(extra_dirs)
