@@ -35,27 +35,20 @@ class PostgresStore(Maintenance):
     and everything that is not one request's (health, lease renewal, migrations;
     the maintenance operations come from :class:`~.maintenance.Maintenance`)."""
 
-    def __init__(
-        self,
-        pool: EnginePool,
-        *,
-        async_claim_commit: bool = True,
-        statement_timeout: float = 5.0,
-        lock_timeout: float = 2.0,
-        claim_mode: str = "row",
-        breaker_threshold: int = 3,
-        breaker_cooldown: float = 1.0,
-    ) -> None:
+    def __init__(self, pool: EnginePool, settings: Any) -> None:
+        """The store on ``pool``, configured by ``settings`` (``settings.Settings``:
+        the claim mode, the timeouts, the breaker's threshold and cooldown)."""
         self.pool = pool
         #: How the pool's connections take our statements (psycopg2 or psycopg 3).
         self.driver = pool.driver
         #: ``"row"`` (a processing row, committed on its own) or ``"transaction"``.
-        self.claim_mode = claim_mode
+        self.claim_mode = settings.claim_mode
+        statement_timeout, lock_timeout = settings.statement_timeout, settings.lock_timeout
         #: One text per operation (``sql.Statements``), built once from the settings.
         self.statements = Statements.build(
             statement_timeout=statement_timeout,
             lock_timeout=lock_timeout,
-            async_claim_commit=async_claim_commit,
+            async_claim_commit=settings.async_claim_commit,
         )
         #: ``SET LOCAL`` of the timeouts, for the maintenance statements.
         self.timeouts = timeouts_sql(statement_timeout, lock_timeout)
@@ -70,7 +63,9 @@ class PostgresStore(Maintenance):
         #: instead of queueing behind a frozen server (``breaker.py``). Reports to
         #: the pool's observer, which ``observability.attach`` sets.
         self.breaker = StoreBreaker(
-            breaker_threshold, breaker_cooldown, observer=lambda: self.pool.observer
+            settings.store_breaker_threshold,
+            settings.store_breaker_cooldown,
+            observer=lambda: self.pool.observer,
         )
 
     @classmethod
@@ -81,25 +76,15 @@ class PostgresStore(Maintenance):
         application's: ``db=`` or ``engine=``; ``max_overflow`` its pool's, when
         known), else on one built from ``IDEMPOTENCY_DATABASE_URL``."""
         if engine is not None:
-            pool = EnginePool(engine, max_overflow=max_overflow)
-        else:
-            built = build_engine(
-                settings.database_url,
-                pool_size=settings.pool_size,
-                pool_timeout=settings.pool_timeout,
-                connect_timeout=settings.connect_timeout,
-                connect_kwargs=dict(settings.connect_kwargs),
-            )
-            pool = EnginePool(built, owned=True)
-        return cls(
-            pool,
-            async_claim_commit=settings.async_claim_commit,
-            statement_timeout=settings.statement_timeout,
-            lock_timeout=settings.lock_timeout,
-            claim_mode=settings.claim_mode,
-            breaker_threshold=settings.store_breaker_threshold,
-            breaker_cooldown=settings.store_breaker_cooldown,
+            return cls(EnginePool(engine, max_overflow=max_overflow), settings)
+        built = build_engine(
+            settings.database_url,
+            pool_size=settings.pool_size,
+            pool_timeout=settings.pool_timeout,
+            connect_timeout=settings.connect_timeout,
+            connect_kwargs=dict(settings.connect_kwargs),
         )
+        return cls(EnginePool(built, owned=True), settings)
 
     def begin(self) -> PostgresRequest:
         """A new request's handle, in this store's claim mode."""
