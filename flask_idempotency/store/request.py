@@ -284,20 +284,14 @@ class PostgresRequest(RequestHandle):
             cur.execute(BUMP_RECOVERY_TOTAL, ("recovered",))
 
     def rollback(self) -> None:
-        """Roll back the view's transaction, if it opened one."""
-        if self._conn is None or not self._in_transaction:
-            return
-        try:
-            run(
-                self._conn,
-                self._store.driver,
-                "ROLLBACK",
-                deadline=self._store.deadline,
-                breaker=self._breaker,
-            )
+        """Roll back the view's transaction, if it opened one (best effort: a
+        connection whose ``ROLLBACK`` failed is not reused)."""
+        if self._conn is not None and self._in_transaction:
             self._in_transaction = False
-        except driver.ERRORS as exc:
-            self._drop(peers=self._lost(exc))
+            try:
+                self._send("ROLLBACK", "ROLLBACK")
+            except StoreUnavailableError:
+                self._drop(peers=False)  # (dropped already if lost, with its peers)
 
     def release(self, record_key: bytes, token: int) -> None:
         """Roll back the view's writes and delete our claim, so a retry runs again.
