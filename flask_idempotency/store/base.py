@@ -126,34 +126,6 @@ class Store(Protocol):
         ...
 
 
-class RequestHandle:
-    """One request's hold on its record, from its claim to completion or release
-    (``request.py``'s two claim modes, ``memory.py``'s). The facts the Flask layer,
-    the keeper and the completer read off any handle, with their defaults: class
-    attributes, so a handle made for every request costs no ``__init__`` here."""
-
-    #: Whether the claim is a processing row whose lease the keeper must renew
-    #: (row mode); a transaction-mode claim lives and dies with its session.
-    holds_lease = True
-    #: The record holds committed recovery points (claimed with them, or one
-    #: committed since): a release keeps it for the next attempt to resume.
-    has_progress: bool = False
-    #: This request's transaction is open; never, for a store without one.
-    _in_transaction: bool = False
-
-    def claim(
-        self,
-        record_key: bytes,
-        fingerprint: bytes,
-        *,
-        lease: float,
-        ttl: float,
-        recovery: bytes | None = None,
-    ) -> ClaimResult:
-        """Claim ``record_key`` for this request, or read who has it."""
-        raise NotImplementedError
-
-
 @dataclasses.dataclass(frozen=True)
 class Taken:
     """An abandoned record the completer took over (``Maintenance.take_over``)."""

@@ -32,7 +32,6 @@ from .base import (
     LeaseHold,
     LeaseLostError,
     RecordInfo,
-    RequestHandle,
     State,
     StoredResponse,
 )
@@ -217,13 +216,17 @@ class MemoryStore:
             self._records.clear()
 
 
-class MemoryRequest(RequestHandle):
+class MemoryRequest:
     """One request's handle on the memory store: the claim, then complete or release,
     each a few dictionary steps under the store's lock. There is no transaction: a
     release forgets the claim, and the view's own writes (kept elsewhere) are the
     view's to undo. The keeper renews the claim's lease while the view runs, as in
     row mode (``holds_lease``)."""
 
+    #: The keeper renews the claim's lease, as in row mode.
+    holds_lease = True
+    #: The claim found recovery points, or one was committed since (``checkpoint``).
+    has_progress = False
     #: No connection or transaction (``idempotency.connection()`` raises).
     connection = count_recovered = no_connection
 

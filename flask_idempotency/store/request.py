@@ -22,7 +22,6 @@ from .base import (
     ClaimResult,
     Existing,
     LeaseLostError,
-    RequestHandle,
     StoredResponse,
     StoreUnavailableError,
     phases_of,
@@ -54,7 +53,7 @@ def answered(what: str, exc: BaseException) -> StoreUnavailableError:
     return mismatch(exc) or StoreUnavailableError(f"{what} failed: {type(exc).__name__}")
 
 
-class PostgresRequest(RequestHandle):
+class PostgresRequest:
     """One request's connection, from claim to completion or release.
 
     The connection is in autocommit mode; when the view asks for it, an explicit
@@ -80,6 +79,11 @@ class PostgresRequest(RequestHandle):
         self._unresponsive = False
         #: A transaction-mode claim's request, kept for the completed record.
         self._claimed: tuple[bytes, float] | None = None
+        #: This request's transaction is open.
+        self._in_transaction = False
+        #: The record holds committed recovery points (claimed with them, or one
+        #: committed since): a release keeps it for the next attempt to resume.
+        self.has_progress = False
 
     def _acquire(self, until: float | None = None) -> Connection:
         """This request's connection, taken from the pool if it has none: at once
