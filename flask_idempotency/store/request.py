@@ -16,7 +16,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from . import driver
+from . import driver, sql
 from .base import (
     Claimed,
     ClaimResult,
@@ -31,14 +31,6 @@ from .errors import is_unreachable
 from .pool import Checkout, Connection
 from .runner import NoAnswer, run
 from .schema import mismatch
-from .sql import (
-    BUMP_RECOVERY_TOTAL,
-    LEASE_LOST_SQLSTATE,
-    advisory_locks,
-    headers_from_json,
-    new_token,
-    response_params,
-)
 
 if TYPE_CHECKING:
     from .postgres import PostgresStore
@@ -106,7 +98,7 @@ class PostgresRequest:
     def _send(
         self,
         what: str,
-        sql: str,
+        statement: str,
         params: Any = None,
         *,
         fetch: bool = False,
@@ -139,7 +131,7 @@ class PostgresRequest:
                 return run(
                     conn,
                     self._store.driver,
-                    sql,
+                    statement,
                     params,
                     deadline=seconds,
                     breaker=self._breaker,
@@ -154,7 +146,7 @@ class PostgresRequest:
                     # The server answered (a statement or lock timeout, a missing
                     # table): the connection is sound and stays with the request.
                     self.rollback()
-                    if fenced and sqlstate(exc) == LEASE_LOST_SQLSTATE:
+                    if fenced and sqlstate(exc) == sql.LEASE_LOST_SQLSTATE:
                         raise LeaseLostError() from exc
                     if own:
                         raise
@@ -193,7 +185,7 @@ class PostgresRequest:
         kept with a row-mode claim for ``flask idempotency recover`` (``recovery.py``)."""
         if not self.holds_lease:
             return self._claim_in_transaction(record_key, fingerprint, ttl)
-        token = new_token()
+        token = sql.new_token()
         params = dict(
             key=record_key, fp=fingerprint, token=token, lease=lease, ttl=ttl, recovery=recovery
         )
@@ -215,10 +207,10 @@ class PostgresRequest:
         trip, two advisory locks; no processing row, no lease). ``Claimed`` leaves it
         open for the view; any other answer is for the caller to ``close()``."""
         self.rollback()  # a waiting duplicate's earlier try
-        sql = self._store.statements.claim_in_transaction
-        params = (record_key, *advisory_locks(record_key, fingerprint))
+        text = self._store.statements.claim_in_transaction
+        params = (record_key, *sql.advisory_locks(record_key, fingerprint))
         try:
-            row = self._send("claim", sql, params, **CLAIMING)
+            row = self._send("claim", text, params, **CLAIMING)
         except StoreUnavailableError:
             if self._conn is not None:
                 self._in_transaction = True  # (its BEGIN ran: roll it back on close)
@@ -233,7 +225,7 @@ class PostgresRequest:
         if row is None or (dead_holder and bytes(row[3]) == fingerprint):
             # New, or a dead row-mode holder of this request the completion takes over.
             self._claimed = (fingerprint, ttl)
-            return Claimed(new_token())  # names the attempt; the locks fence
+            return Claimed(sql.new_token())  # names the attempt; the locks fence
         return _existing(*row[2:9])
 
     def held(self) -> Connection:
@@ -254,17 +246,17 @@ class PostgresRequest:
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         """Store ``response`` and commit, with the view's transaction if it opened one,
         in one round trip; ``LeaseLostError`` if the record was taken over."""
-        answer = response_params(response)
+        answer = sql.response_params(response)
         statements = self._store.statements
         params: tuple[Any, ...]
         if self._claimed is not None:
             fingerprint, ttl = self._claimed
-            sql, params = statements.insert_completed, (record_key, fingerprint, ttl, *answer)
+            text, params = statements.insert_completed, (record_key, fingerprint, ttl, *answer)
         else:
-            sql, params = statements.complete, (record_key, token, *answer)
+            text, params = statements.complete, (record_key, token, *answer)
         if not self._in_transaction:
-            sql = "BEGIN;\n" + sql  # (its COMMIT must end a transaction)
-        self._send("completion", sql, params, fenced=True)
+            text = "BEGIN;\n" + text  # (its COMMIT must end a transaction)
+        self._send("completion", text, params, fenced=True)
         self._in_transaction = False
         self._claimed = None
 
@@ -274,18 +266,18 @@ class PostgresRequest:
         taken over (the transaction is rolled back). A view that had a transaction
         open gets a new one in the same round trip, so a connection it fetched
         before the phase never drops into autocommit."""
-        sql = self._store.statements.checkpoint
+        text = self._store.statements.checkpoint
         if not self._in_transaction:
-            sql = "BEGIN;\n" + sql
+            text = "BEGIN;\n" + text
         self._in_transaction = True
-        self._send("checkpoint", sql, (record_key, token, phase, data_json), fenced=True)
+        self._send("checkpoint", text, (record_key, token, phase, data_json), fenced=True)
         self.has_progress = True
 
     def count_recovered(self) -> None:
         """Count one more recovered record in this request's transaction (the
         completer's total commits with the recovered answer, or not at all)."""
         with self.connection().cursor() as cur:
-            cur.execute(BUMP_RECOVERY_TOTAL, ("recovered",))
+            cur.execute(sql.BUMP_RECOVERY_TOTAL, ("recovered",))
 
     def rollback(self) -> None:
         """Roll back the view's transaction, if it opened one (best effort: a
@@ -320,11 +312,11 @@ class PostgresRequest:
             # the release goes on a fresh connection.
             self._drop(peers=False)
         statements = self._store.statements
-        sql = statements.end_lease if self.has_progress else statements.release
+        text = statements.end_lease if self.has_progress else statements.release
         if self._in_transaction:
-            sql = "ROLLBACK;\n" + sql
+            text = "ROLLBACK;\n" + text
         try:
-            self._send("release", sql, (record_key, token))
+            self._send("release", text, (record_key, token))
             self._in_transaction = False
         except StoreUnavailableError as exc:
             log.warning(
@@ -358,5 +350,5 @@ def _existing(
     """The record a claim found and may not take, from the claim's columns."""
     response = None
     if state == "completed":
-        response = StoredResponse(int(status), headers_from_json(headers), bytes(body))
+        response = StoredResponse(int(status), sql.headers_from_json(headers), bytes(body))
     return Existing(state, bytes(fingerprint), response, lease, ttl)
