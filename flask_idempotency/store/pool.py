@@ -52,6 +52,7 @@ from . import driver
 from .base import BreakerOpenError, StoreUnavailableError
 from .driver import Driver, for_dialect
 from .errors import connect_failure, is_unreachable
+from .schema import mismatch
 
 #: A DBAPI connection (psycopg2's or psycopg 3's), as the store's statements use it.
 Connection = Any
@@ -306,16 +307,23 @@ class EnginePool:
 
     @contextmanager
     def connection(self, *, discard: bool = False) -> Iterator[Connection]:
-        """A connection for the block; closed after it with ``discard``."""
+        """A connection for the block, given back after it (closed with ``discard``).
+        A driver error in the block is a ``StoreUnavailableError`` (the connection,
+        and its idle peers when PostgreSQL looks unreachable, discarded), or for a
+        missing table or function the ``SchemaMismatchError`` that names the
+        command to run."""
         conn = self.getconn()
-        broken = discard
+        unreachable = False
         try:
             yield conn
         except driver.ERRORS as exc:
-            broken = is_unreachable(exc, conn)
-            raise
+            discard = unreachable = is_unreachable(exc, conn)
+            reason = f"{type(exc).__name__}: {exc}".strip()
+            raise mismatch(exc) or StoreUnavailableError(reason) from exc
         finally:
-            self.putconn(conn, discard=broken)
+            self.putconn(conn, discard=discard)
+            if unreachable:
+                self.discard_idle()
 
     def discard_idle(self) -> None:
         """After an outage the idle connections are as dead as the one that failed:

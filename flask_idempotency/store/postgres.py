@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -90,22 +90,10 @@ class PostgresStore(Maintenance):
         """A new request's handle, in this store's claim mode."""
         return PostgresRequest(self)
 
-    @contextmanager
-    def autocommit(self, *, discard: bool = False) -> Iterator[Connection]:
+    def autocommit(self, *, discard: bool = False) -> AbstractContextManager[Connection]:
         """A pooled autocommit connection for the extension's own maintenance
-        statements (closed after the block with ``discard``): any driver error is a
-        ``StoreUnavailableError``, a missing table or function the
-        ``SchemaMismatchError`` that names the command to run."""
-        try:
-            with self.pool.connection(discard=discard) as conn:
-                yield conn
-        except driver.ERRORS as exc:
-            if is_unreachable(exc):
-                self.pool.discard_idle()
-            raise (
-                schema.mismatch(exc)
-                or StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip())
-            ) from exc
+        statements (``EnginePool.connection``: driver errors become the store's)."""
+        return self.pool.connection(discard=discard)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
