@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import driver, sql
 from .base import (
@@ -26,14 +26,26 @@ from .base import (
     StoreUnavailableError,
     phases_of,
 )
-from .driver import sqlstate
+from .breaker import StoreBreaker
+from .driver import Driver, sqlstate
 from .errors import is_unreachable
-from .pool import Checkout, Connection
+from .pool import Checkout, Connection, EnginePool
 from .runner import NoAnswer, run
 from .schema import mismatch
+from .sql import Statements
 
-if TYPE_CHECKING:
-    from .postgres import PostgresStore
+
+class RequestStore(Protocol):
+    """What a request's handle uses of its store (``postgres.PostgresStore``)."""
+
+    pool: EnginePool
+    driver: Driver
+    breaker: StoreBreaker
+    statements: Statements
+    #: Seconds before the watchdog gives up on one of our statements.
+    deadline: float
+    claim_mode: str
+
 
 log = logging.getLogger("flask_idempotency.store")
 
@@ -54,7 +66,7 @@ class PostgresRequest:
     autocommit mode.
     """
 
-    def __init__(self, store: PostgresStore, *, guarded: bool = True) -> None:
+    def __init__(self, store: RequestStore, *, guarded: bool = True) -> None:
         self._store = store
         #: Row mode: the claim is a ``processing`` row committed on its own (one
         #: statement), kept alive by the lease keeper, which the completion fills in.
