@@ -24,7 +24,7 @@ from .errors import is_unreachable
 from .maintenance import Maintenance
 from .pool import Connection, EnginePool, build_engine
 from .request import PostgresRequest
-from .runner import NoAnswer, lost, run, watched
+from .runner import NoAnswer, run, watched
 from .sql import CLIENT_DEADLINE_GRACE, Statements, timeouts_sql
 
 log = logging.getLogger("flask_idempotency.store")
@@ -149,22 +149,20 @@ class PostgresStore(Maintenance):
         if not holds:
             return 0
         params = ([h.record_key for h in holds], [h.token for h in holds], [h.lease for h in holds])
-        retry = True
+        retry, text, deadline = True, self.statements.renew, self.deadline
         with self._renew_lock:
             while True:
                 try:
                     with self.pool.renewal() as conn:
-                        sql = self.statements.renew
                         return int(
-                            run(
-                                conn, self.driver, sql, params, deadline=self.deadline, breaker=None
-                            )
+                            run(conn, self.driver, text, params, deadline=deadline, breaker=None)
                         )
                 except driver.ERRORS as exc:
-                    if not (retry and lost(exc)):
-                        reason = (
-                            "no answer in time" if isinstance(exc, NoAnswer) else type(exc).__name__
-                        )
+                    # Once more on a fresh connection if the keeper's died while idle;
+                    # not if the server did not answer in time.
+                    cut = isinstance(exc, NoAnswer)
+                    if not retry or cut or not is_unreachable(exc):
+                        reason = "no answer in time" if cut else type(exc).__name__
                         raise StoreUnavailableError(f"renewal failed: {reason}") from exc
                     retry = False
 

@@ -9,9 +9,9 @@ keeper's renewal, a health check, the schema's inspection) goes through
 * the store's circuit breaker (``breaker.py``): how the statement ended is
   counted once, here;
 * the classification of "unreachable" (``errors.py``): a statement cut at its
-  deadline raises :class:`NoAnswer`, and :func:`lost` tells a connection that
-  died while idle (worth one more try on a fresh one) from a server that is not
-  answering.
+  deadline raises :class:`NoAnswer`, so a caller tells a server that is not
+  answering from a connection that died while idle (worth one more try on a
+  fresh one).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from typing import Any
 import psycopg2
 
 from . import driver
-from .base import StoreUnavailableError
 from .breaker import StoreBreaker
 from .driver import Driver
-from .errors import is_unreachable
 from .watchdog import WATCHDOG
 
 
@@ -63,18 +61,6 @@ def watched(
             conn.close()
             if error is None or isinstance(error, driver.ERRORS):
                 raise NoAnswer("no answer from PostgreSQL before the deadline") from error
-
-
-def lost(exc: BaseException, conn: Any = None) -> bool:
-    """Whether ``exc`` (a store error or its cause) says the connection died while it
-    was idle, so the statement may go once more on a fresh one: lost, but not cut at
-    its deadline (PostgreSQL then did not answer, and a second try would wait again)."""
-    cause = exc.__cause__ if isinstance(exc, StoreUnavailableError) else exc
-    return (
-        isinstance(cause, driver.ERRORS)
-        and not isinstance(cause, NoAnswer)
-        and is_unreachable(cause, conn)
-    )
 
 
 def run(
