@@ -75,31 +75,24 @@ if psycopg2.extensions.libpq_version() >= 120000:
 _PID = "flask_idempotency.pid"
 
 
-def build_engine(
-    dsn: str,
-    *,
-    pool_size: int,
-    pool_timeout: float,
-    connect_timeout: float,
-    connect_kwargs: dict[str, Any],
-) -> Engine:
-    """The engine for ``IDEMPOTENCY_DATABASE_URL``: psycopg2, ``pool_size`` connections
-    per process and no overflow. The DSN (a URL or ``key=value`` pairs, several
-    hosts, ``target_session_attrs``...) is read by libpq's own parser
-    (``psycopg2.extensions.parse_dsn``) into connection parameters, so it means
-    exactly what it means to ``psycopg2.connect``."""
+def build_engine(settings: Any) -> Engine:
+    """The engine for ``IDEMPOTENCY_DATABASE_URL`` (``settings.Settings``): psycopg2,
+    ``pool_size`` connections per process and no overflow. The DSN (a URL or
+    ``key=value`` pairs, several hosts, ``target_session_attrs``...) is read by
+    libpq's own parser (``psycopg2.extensions.parse_dsn``) into connection
+    parameters, so it means exactly what it means to ``psycopg2.connect``."""
     parameters = {
-        **psycopg2.extensions.parse_dsn(dsn),
-        "connect_timeout": max(1, round(connect_timeout)),
+        **psycopg2.extensions.parse_dsn(settings.database_url),
+        "connect_timeout": max(1, round(settings.connect_timeout)),
         **TCP_DEFAULTS,
-        **connect_kwargs,
+        **settings.connect_kwargs,
     }
     return sqlalchemy.create_engine(
         "postgresql+psycopg2://",
         connect_args=parameters,
-        pool_size=pool_size,
+        pool_size=settings.pool_size,
         max_overflow=0,
-        pool_timeout=pool_timeout,
+        pool_timeout=settings.pool_timeout,
     )
 
 

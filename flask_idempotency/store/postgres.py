@@ -77,14 +77,7 @@ class PostgresStore(Maintenance):
         known), else on one built from ``IDEMPOTENCY_DATABASE_URL``."""
         if engine is not None:
             return cls(EnginePool(engine, max_overflow=max_overflow), settings)
-        built = build_engine(
-            settings.database_url,
-            pool_size=settings.pool_size,
-            pool_timeout=settings.pool_timeout,
-            connect_timeout=settings.connect_timeout,
-            connect_kwargs=dict(settings.connect_kwargs),
-        )
-        return cls(EnginePool(built, owned=True), settings)
+        return cls(EnginePool(build_engine(settings), owned=True), settings)
 
     def begin(self) -> PostgresRequest:
         """A new request's handle, in this store's claim mode."""

@@ -49,7 +49,7 @@ def store(clean_db: str) -> Iterator[PostgresStore]:
 
 
 def _one_connection(dsn: str) -> EnginePool:
-    engine = build_engine(dsn, pool_size=1, pool_timeout=5, connect_timeout=3, connect_kwargs={})
+    engine = build_engine(Settings(database_url=dsn, pool_size=1, connect_timeout=3))
     return EnginePool(engine, owned=True)
 
 
