@@ -20,8 +20,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from . import one_process, schema
@@ -31,7 +30,6 @@ from .base import (
     Existing,
     LeaseHold,
     LeaseLostError,
-    RecordInfo,
     State,
     StoredResponse,
 )
@@ -76,8 +74,9 @@ class MemoryStore:
     #: Requests hold no pooled connection: nothing to size or observe.
     pool = None
     claim_mode = "row"
-    #: No transaction outside a request either.
-    transaction = no_connection
+    #: No transaction outside a request either; and nothing for the commands that
+    #: read or change records (``cli.target`` answers for them under ``memory://``).
+    transaction = info = unlock = purge = count_expired = no_connection
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._base_clock = clock
@@ -104,14 +103,8 @@ class MemoryStore:
         self._claims_since_sweep += 1
         if self._claims_since_sweep >= SWEEP_EVERY:
             self._claims_since_sweep = 0
-            self._forget_expired(now)
-
-    def _forget_expired(self, now: float, limit: int | None = None) -> list[bytes]:
-        """Delete up to ``limit`` expired records (under the lock); their keys."""
-        doomed = [k for k, r in self._records.items() if r.expires_at <= now][:limit]
-        for key in doomed:
-            del self._records[key]
-        return doomed
+            for key in [k for k, r in self._records.items() if r.expires_at <= now]:
+                del self._records[key]
 
     def _held(self, record_key: bytes, token: int | None) -> _Record | None:
         """Our processing record under ``token`` (under the lock), else ``None``."""
@@ -152,54 +145,6 @@ class MemoryStore:
     def ping(self) -> None:
         """Always answers (in the process that created it)."""
         self._guard.check()
-
-    def count_expired(self) -> int:
-        with self._lock:
-            now = self._clock()
-            return sum(1 for r in self._records.values() if r.expires_at <= now)
-
-    def purge(self, batch_size: int) -> Iterator[list[bytes]]:
-        """Forget expired records, ``batch_size`` at a time."""
-        while True:
-            with self._lock:
-                doomed = self._forget_expired(self._clock(), batch_size)
-            if not doomed:
-                return
-            yield doomed
-
-    def info(self, record_key: bytes) -> RecordInfo | None:
-        with self._lock:
-            record = self._records.get(record_key)
-            if record is None:
-                return None
-            now = self._clock()
-            start = datetime.now(timezone.utc) - timedelta(seconds=now)  # the clock's 0
-
-            def at(moment: float | None) -> Any:
-                return None if moment is None else start + timedelta(seconds=moment)
-
-            response = record.response
-            return RecordInfo(
-                state=record.state,
-                created_at=at(record.created_at),
-                expires_at=at(record.expires_at),
-                completed_at=at(record.completed_at),
-                lease_expires_at=at(record.lease_expires_at),
-                status=response.status if response is not None else None,
-                body=response.body if response is not None else None,
-                headers=response.headers if response is not None else (),
-                age_seconds=now - record.created_at,
-                expired=record.expires_at <= now,
-            )
-
-    def unlock(self, record_key: bytes) -> bool:
-        """End a processing record's lease now (``flask idempotency unlock``)."""
-        with self._lock:
-            record = self._records.get(record_key)
-            if record is None or record.state != "processing":
-                return False
-            record.token, record.lease_expires_at = None, self._clock()
-            return True
 
     def stats(self) -> dict[str, float]:
         with self._lock:
