@@ -1,27 +1,6 @@
-"""Durable storage of idempotency records (PostgreSQL)."""
+"""Durable storage of idempotency records (PostgreSQL; ``memory://`` for tests)."""
 
-from .base import (
-    Claimed,
-    ClaimResult,
-    Existing,
-    LeaseHold,
-    LeaseLostError,
-    RecordInfo,
-    Store,
-    StoredResponse,
-    StoreUnavailableError,
-)
+from .base import LeaseLostError, StoredResponse, StoreUnavailableError
 from .postgres import PostgresStore
 
-__all__ = [
-    "Claimed",
-    "ClaimResult",
-    "Existing",
-    "LeaseHold",
-    "LeaseLostError",
-    "PostgresStore",
-    "RecordInfo",
-    "Store",
-    "StoreUnavailableError",
-    "StoredResponse",
-]
+__all__ = ["LeaseLostError", "PostgresStore", "StoreUnavailableError", "StoredResponse"]

@@ -8,8 +8,7 @@ see these types; driver errors are translated at the store's boundary into
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal, Protocol
 
@@ -85,6 +84,11 @@ class Existing:
 ClaimResult = Claimed | Existing
 
 
+def phases_of(column: Any) -> tuple[tuple[str, Any], ...]:
+    """The recovery points a record's ``phases`` column holds, in order."""
+    return tuple((str(name), data) for name, data in column or ())
+
+
 @dataclasses.dataclass(frozen=True)
 class LeaseHold:
     """One in-flight claim, as the lease keeper renews it."""
@@ -111,7 +115,7 @@ class RecordInfo:
 
 
 class Store(Protocol):
-    """What the extension needs from a durable store."""
+    """What the lease keeper needs of a durable store (``lease.py``)."""
 
     def renew(self, holds: Sequence[LeaseHold]) -> int:
         """Renew ``holds`` on a connection that no request holds (the keeper's own)."""
@@ -120,22 +124,6 @@ class Store(Protocol):
     def prepare_renewals(self) -> None:
         """Open the renewal connection ahead of time (best effort, never raises)."""
         ...
-
-    def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]: ...
-
-    def purge(self, batch_size: int) -> Iterator[list[bytes]]: ...
-
-    def count_expired(self) -> int: ...
-
-    def info(self, record_key: bytes) -> RecordInfo | None: ...
-
-    def unlock(self, record_key: bytes) -> bool: ...
-
-    def ping(self) -> None: ...
-
-    def transaction(self) -> AbstractContextManager[Any]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from .errors import READ_ONLY_SQLSTATE, is_unreachable
 log = logging.getLogger("flask_idempotency.store")
 
 
-class StoreBreaker:
+class StoreBreaker(CircuitBreaker):
     """The store's :class:`~flask_idempotency.circuit.CircuitBreaker`, with the
     store's log lines and metrics on each transition."""
 
@@ -45,51 +45,46 @@ class StoreBreaker:
         observer: Callable[[], Observer | None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.circuit = CircuitBreaker(threshold, cooldown, clock=clock)
+        super().__init__(threshold, cooldown, clock=clock)
         #: The observer to tell (the pool's, set by ``observability.attach``).
         self._observer = observer
-
-    @property
-    def state(self) -> BreakerState:
-        return self.circuit.state
 
     def admit(self) -> int:
         """Let a request go to PostgreSQL, or raise ``StoreUnavailableError`` at once
         while the breaker is open. Returns the number of openings so far, for
         :meth:`opened_since`."""
-        openings = self.circuit.openings
-        if not self.circuit.allow():
+        openings = self.openings
+        if not self.allow():
             raise BreakerOpenError("PostgreSQL is not answering (store circuit breaker open)")
         return openings
 
     def opened_since(self, openings: int) -> bool:
         """Whether the breaker opened after a request was admitted: a request still
         waiting for a connection then gives up."""
-        return self.circuit.openings != openings
+        return self.openings != openings
 
     def answered(self) -> None:
         """PostgreSQL answered a statement (whatever the answer)."""
-        if self.circuit.success() is Transition.CLOSED:
+        if self.success() is Transition.CLOSED:
             log.info("idempotency: PostgreSQL answers again; store circuit breaker closed")
             self._report(BreakerState.CLOSED)
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str = "no answer before the deadline") -> None:
         """PostgreSQL did not answer: ``reason`` names how (an exception's class, never
         a key or a statement's parameters)."""
-        if self.circuit.failure() is Transition.OPENED:
+        if self.failure() is Transition.OPENED:
             log.warning(
                 "idempotency: PostgreSQL is not answering (%s); store circuit breaker open, "
                 "requests answer 503 at once for %.1f s, then one probes",
                 reason,
-                self.circuit.cooldown,
+                self.cooldown,
             )
             self._report(BreakerState.OPEN)
 
-    def no_answer(self) -> None:
-        """A statement ran out of its deadline: called by the watchdog as it cuts it
-        (``WATCHDOG.watch(conn, seconds, breaker.no_answer)``), so statements that
-        ran out together are counted before any of their threads takes a new request."""
-        self.failed("no answer before the deadline")
+    #: A statement ran out of its deadline: called by the watchdog as it cuts it
+    #: (``WATCHDOG.watch(conn, seconds, breaker.no_answer)``), so statements that ran
+    #: out together are counted before any of their threads takes a new request.
+    no_answer = failed
 
     def outcome(
         self,
@@ -106,21 +101,18 @@ class StoreBreaker:
         fresh connection (``retried_if_lost``: that attempt counts); a refusal to
         write (a standby) is an answer, as are a constraint or a timeout of the
         server's."""
-        if fired:
+        if fired or (error is not None and not isinstance(error, driver.ERRORS)):
             return
-        if error is None:
+        if (
+            error is None
+            or not is_unreachable(error, conn)
+            or sqlstate(error) == READ_ONLY_SQLSTATE
+        ):
             self.answered()
-        elif isinstance(error, driver.ERRORS):
-            if is_unreachable(error, conn) and sqlstate(error) != READ_ONLY_SQLSTATE:
-                if not retried_if_lost:
-                    self.failed(type(error).__name__)
-            else:
-                self.answered()
+        elif not retried_if_lost:
+            self.failed(type(error).__name__)
 
     def _report(self, state: BreakerState) -> None:
         observer = self._observer()
         if observer is not None:
             observer.store_breaker_changed(state.value)
-
-    def __repr__(self) -> str:
-        return f"<StoreBreaker {self.state.value} threshold={self.circuit.threshold}>"

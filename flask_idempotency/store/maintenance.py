@@ -10,43 +10,15 @@ instead of hanging an operator's command, a completer or a consumer.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .base import RecordInfo, Taken
+from . import sql
+from .base import RecordInfo, Taken, phases_of
 from .driver import Driver
 from .pool import Connection
 from .runner import watched
-from .sql import (
-    ATTEMPTS_SO_FAR,
-    BUMP_RECOVERY_TOTAL,
-    COUNT_EXPIRED,
-    END_LEASE,
-    FAIL_ATTEMPT,
-    HEARTBEAT,
-    INFO,
-    LAST_RUNS,
-    PASS_CUTOFF,
-    PURGE_BATCH,
-    RECOVERY_STATS,
-    RELEASE,
-    RELEASE_TO_CLIENT,
-    STATS,
-    TAKE_OVER,
-    UNLOCK,
-    headers_from_json,
-    new_token,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ran:
-    """What one maintenance statement returned."""
-
-    rowcount: int
-    rows: list[tuple[Any, ...]]
 
 
 class Maintenance:
@@ -60,67 +32,56 @@ class Maintenance:
     def autocommit(self) -> AbstractContextManager[Connection]:
         raise NotImplementedError
 
-    def _run(self, sql: str, params: Any = None) -> Ran:
+    def _run(self, statement: str, params: Any = None) -> tuple[int, list[tuple[Any, ...]]]:
         """``sql`` as one implicit transaction, under the store's timeouts (sent in
-        the same round trip) and the watchdog's deadline."""
+        the same round trip) and the watchdog's deadline: the number of rows it
+        touched, and those it returned."""
         with self.autocommit() as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
-                self.driver.execute(cur, self.timeouts + sql, params)
-                rows = cur.fetchall() if cur.description is not None else []
-                return Ran(cur.rowcount, rows)
+                self.driver.execute(cur, self.timeouts + statement, params)
+                return cur.rowcount, cur.fetchall() if cur.description is not None else []
+
+    def _figures(self, statement: str, names: str) -> dict[str, float]:
+        """The one row of ``sql``, as floats under ``names`` (space-separated)."""
+        return dict(zip(names.split(), map(float, self.read(statement)[0]), strict=True))
 
     def count_expired(self) -> int:
-        return int(self._run(COUNT_EXPIRED).rows[0][0])
+        return int(self.read(sql.COUNT_EXPIRED)[0][0])
 
     def purge(self, batch_size: int) -> Iterator[list[bytes]]:
         """Delete expired rows a batch at a time (each its own transaction), yielding
         the deleted keys so a cache can evict them too."""
         while True:
-            keys = [bytes(r[0]) for r in self._run(PURGE_BATCH, (batch_size,)).rows]
+            keys = [bytes(r[0]) for r in self.read(sql.PURGE_BATCH, (batch_size,))]
             if keys:
                 yield keys
             if len(keys) < batch_size:
                 return
 
     def info(self, record_key: bytes) -> RecordInfo | None:
-        rows = self._run(INFO, (record_key,)).rows
+        rows = self.read(sql.INFO, (record_key,))
         if not rows:
             return None
-        row = rows[0]
+        state, created, expires, completed, lease, status, body, headers, age, expired = rows[0]
+        body = None if body is None else bytes(body)
+        headers = sql.headers_from_json(headers)
         return RecordInfo(
-            state=row[0],
-            created_at=row[1],
-            expires_at=row[2],
-            completed_at=row[3],
-            lease_expires_at=row[4],
-            status=row[5],
-            body=bytes(row[6]) if row[6] is not None else None,
-            headers=headers_from_json(row[7]),
-            age_seconds=float(row[8]),
-            expired=bool(row[9]),
+            state, created, expires, completed, lease, status, body, headers, float(age), expired
         )
 
     def stats(self) -> dict[str, float]:
-        row = self._run(STATS).rows[0]
-        names = (
-            "processing",
-            "completed",
-            "expired",
-            "lease_expired",
-            "oldest_processing_seconds",
-            "takeovers",
-        )
-        return {name: float(value) for name, value in zip(names, row, strict=True)}
+        names = "processing completed expired lease_expired oldest_processing_seconds takeovers"
+        return self._figures(sql.STATS, names)
 
     def unlock(self, record_key: bytes) -> bool:
-        return self._run(UNLOCK, (record_key,)).rowcount > 0
+        return self._run(sql.UNLOCK, (record_key,))[0] > 0
 
     # -- the completer (``completer.py``) ----------------------------------------
 
     def recovery_cutoff(self, older_than: float) -> Any:
         """The server's ``now() - older_than``: a pass recovers what was abandoned
         before it (measured on one clock, the database's)."""
-        return self._run(PASS_CUTOFF, (older_than,)).rows[0][0]
+        return self.read(sql.PASS_CUTOFF, (older_than,))[0][0]
 
     def take_over(self, cutoff: Any, limit: int, lease: float) -> list[Taken]:
         """Take up to ``limit`` records abandoned before ``cutoff`` over, each under
@@ -128,38 +89,38 @@ class Maintenance:
         params = {
             "cutoff": cutoff,
             "limit": limit,
-            "tokens": [new_token() for _ in range(limit)],
+            "tokens": [sql.new_token() for _ in range(limit)],
             "lease": lease,
         }
         return [
             Taken(
-                record_key=bytes(r[0]),
-                fingerprint=bytes(r[1]),
-                token=int(r[2]),
-                recovery=bytes(r[3]),
-                phases=tuple((str(name), data) for name, data in r[4] or ()),
-                abandoned_seconds=max(0.0, float(r[5])),
+                bytes(key),
+                bytes(fp),
+                int(token),
+                bytes(recovery),
+                phases_of(phases),
+                max(0.0, float(s)),
             )
-            for r in self._run(TAKE_OVER, params).rows
+            for key, fp, token, recovery, phases, s in self.read(sql.TAKE_OVER, params)
         ]
 
     def hand_back(self, record_key: bytes, token: int) -> bool:
         """End our lease on a record at once, keeping it ("cannot tell yet"); False
         if it is no longer ours."""
-        return self._run(END_LEASE, (record_key, token)).rowcount == 1
+        return self._run(sql.END_LEASE, (record_key, token))[0] == 1
 
     def release_abandoned(self, record_key: bytes, token: int, *, keep_phases: bool) -> bool:
         """ "Nothing happened": delete the record (or, with committed recovery points,
         give it back to its client) and count the release; False if no longer ours."""
-        statement = RELEASE_TO_CLIENT if keep_phases else RELEASE
+        statement = sql.RELEASE_TO_CLIENT if keep_phases else sql.RELEASE
         with self.autocommit() as conn, watched(conn, self.deadline):
             # (A failure leaves the transaction open: the pool rolls it back.)
             with self.driver.cursor(conn) as cur:
-                sql = "BEGIN;\n" + self.timeouts + statement
-                self.driver.execute(cur, sql, (record_key, token))
+                text = "BEGIN;\n" + self.timeouts + statement
+                self.driver.execute(cur, text, (record_key, token))
                 released: bool = cur.rowcount == 1
                 if released:
-                    cur.execute(BUMP_RECOVERY_TOTAL, ("released",))
+                    cur.execute(sql.BUMP_RECOVERY_TOTAL, ("released",))
                 cur.execute("COMMIT")
         return released
 
@@ -167,45 +128,39 @@ class Maintenance:
         """Abandoned records now (``abandoned``: processing, lease ended, not taken
         over; ``recoverable``: those of ``recover=`` routes; how long the oldest has
         waited) and the completer's totals (``recovered``, ``recovery_released``)."""
-        row = self._run(RECOVERY_STATS).rows[0]
-        names = (
-            "abandoned",
-            "recoverable",
-            "oldest_abandoned_seconds",
-            "recovered",
-            "recovery_released",
-        )
-        return {name: float(value) for name, value in zip(names, row, strict=True)}
+        names = "abandoned recoverable oldest_abandoned_seconds recovered recovery_released"
+        return self._figures(sql.RECOVERY_STATS, names)
 
     # -- the consumer guard (``events/consumer.py``) ------------------------------
 
     def attempts_so_far(self, record_key: bytes, token: int) -> int | None:
         """Earlier attempts at a message we hold (its takeovers); ``None`` if the
         record is no longer ours."""
-        rows = self._run(ATTEMPTS_SO_FAR, (record_key, token)).rows
+        rows = self.read(sql.ATTEMPTS_SO_FAR, (record_key, token))
         return int(rows[0][0]) if rows else None
 
     def fail_attempt(self, record_key: bytes, token: int) -> None:
         """End a failed attempt's lease now and keep the record, so the next
         delivery takes it over (and counts one more attempt)."""
-        self._run(FAIL_ATTEMPT, (record_key, token))
+        self._run(sql.FAIL_ATTEMPT, (record_key, token))
 
     def release_claim(self, record_key: bytes, token: int) -> None:
         """Delete a record we hold, so the next delivery starts afresh."""
-        self._run(RELEASE, (record_key, token))
+        self._run(sql.RELEASE, (record_key, token))
 
     # -- the background workers' heartbeats (``heartbeat.py``) and the doctor --------
 
     def heartbeat(self, worker: str, seen_on: str) -> None:
         """Record that a ``worker`` (``"relay"``, ``"completer"``) ran just now."""
-        self._run(HEARTBEAT, (worker, seen_on))
+        self._run(sql.HEARTBEAT, (worker, seen_on))
 
     def last_runs(self) -> dict[str, tuple[float, str | None]]:
         """Seconds since each kind of worker last reported (the server's clock), and
         the ``host:pid`` that did."""
-        return {row[0]: (float(row[1]), row[2]) for row in self._run(LAST_RUNS).rows}
+        return {worker: (float(ago), seen_on) for worker, ago, seen_on in self.read(sql.LAST_RUNS)}
 
-    def read(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-        """The rows of a read-only query under the store's timeouts and deadline
-        (``flask idempotency doctor``'s look at the server's settings and statistics)."""
-        return self._run(sql, params).rows
+    def read(self, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """The rows ``statement`` returns, under the store's timeouts and deadline
+        (also ``flask idempotency doctor``'s look at the server's settings and
+        statistics)."""
+        return self._run(statement, params)[1]

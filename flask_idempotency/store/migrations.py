@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psycopg2.extensions
 
@@ -84,15 +84,6 @@ def all_migrations(extra_dirs: Sequence[str]) -> list[tuple[str, str]]:
     return found
 
 
-class Cursor(Protocol):
-    """What the migration loop needs of a DB-API cursor: psycopg2's and psycopg 3's
-    alike (``%s`` placeholders), whether the extension or SQLAlchemy opened it."""
-
-    def execute(self, query: str, params: Any = ..., /) -> Any: ...
-
-    def fetchall(self) -> Sequence[Any]: ...
-
-
 def apply(conn: psycopg2.extensions.connection, migrations: Iterable[tuple[str, str]]) -> list[str]:
     """Apply what is missing in one transaction; return the names applied now."""
     conn.autocommit = False
@@ -112,18 +103,18 @@ def apply(conn: psycopg2.extensions.connection, migrations: Iterable[tuple[str, 
 LEDGER_EXISTS = "SELECT to_regclass('idempotency_schema_migrations') IS NOT NULL"
 
 
-def pending(cur: Cursor, migrations: Iterable[tuple[str, str]]) -> list[str]:
-    """The names of ``migrations`` the database has not applied (all of them before
-    the first migrate), read without taking the migration lock."""
+def pending(cur: Any, names: list[str]) -> list[str]:
+    """The migration ``names`` the database has not applied (all of them before the
+    first migrate), read without taking the migration lock."""
     cur.execute(LEDGER_EXISTS)
     if not cur.fetchall()[0][0]:
-        return [name for name, _ in migrations]
+        return names
     cur.execute("SELECT name FROM idempotency_schema_migrations")
     done = {row[0] for row in cur.fetchall()}
-    return [name for name, _ in migrations if name not in done]
+    return [name for name in names if name not in done]
 
 
-def apply_in_transaction(cur: Cursor, migrations: Iterable[tuple[str, str]]) -> list[str]:
+def apply_in_transaction(cur: Any, migrations: Iterable[tuple[str, str]]) -> list[str]:
     """Apply what is missing on ``cur``, inside the transaction its connection is
     already in (the caller commits or rolls back); return the names applied now.
 
@@ -148,7 +139,7 @@ def apply_in_transaction(cur: Cursor, migrations: Iterable[tuple[str, str]]) -> 
     return applied_now
 
 
-def drop_in_transaction(cur: Cursor) -> None:
+def drop_in_transaction(cur: Any) -> None:
     """Drop what the extension's files created, and their ledger rows, inside the
     transaction ``cur``'s connection is in. The ledger itself goes when no
     application file is left in it."""

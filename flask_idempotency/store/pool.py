@@ -21,10 +21,10 @@ that opened it, and a checkout in another process discards it instead of
 sharing a socket with the parent. A process-id check needs no at-fork hook, so
 it holds under uWSGI as under gunicorn.
 
-The lease keeper renews on a connection of its own, from a one-connection copy
-of the engine's pool (``Pool.recreate()``: the same creator and events), so it
-never takes one of the application's connections and never waits behind
-requests.
+The lease keeper renews on a connection of its own, from a copy of the
+engine's pool (``Pool.recreate()``: the same creator and events) that only
+the keeper uses, one renewal at a time, so it never takes one of the
+application's connections and never waits behind requests.
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ import sqlalchemy.exc
 from sqlalchemy import event
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import Pool
 
 from ..observer import Observer
 from . import driver
 from .base import BreakerOpenError, StoreUnavailableError
 from .driver import Driver, for_dialect
 from .errors import connect_failure, is_unreachable
+from .schema import mismatch
 
 #: A DBAPI connection (psycopg2's or psycopg 3's), as the store's statements use it.
 Connection = Any
@@ -64,12 +65,9 @@ log = logging.getLogger("flask_idempotency.store")
 #: its answer. Keepalive probes start after 5 s of silence, every 5 s, 3 unanswered
 #: probes close the connection; data left unacknowledged for 10 s closes it too
 #: (``tcp_user_timeout``, libpq 12+).
-TCP_DEFAULTS: dict[str, Any] = {
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-}
+TCP_DEFAULTS: dict[str, Any] = dict(
+    keepalives=1, keepalives_idle=5, keepalives_interval=5, keepalives_count=3
+)
 if psycopg2.extensions.libpq_version() >= 120000:
     TCP_DEFAULTS["tcp_user_timeout"] = 10_000  # milliseconds
 
@@ -77,31 +75,24 @@ if psycopg2.extensions.libpq_version() >= 120000:
 _PID = "flask_idempotency.pid"
 
 
-def build_engine(
-    dsn: str,
-    *,
-    pool_size: int,
-    pool_timeout: float,
-    connect_timeout: float,
-    connect_kwargs: dict[str, Any],
-) -> Engine:
-    """The engine for ``IDEMPOTENCY_DATABASE_URL``: psycopg2, ``pool_size`` connections
-    per process and no overflow. The DSN (a URL or ``key=value`` pairs, several
-    hosts, ``target_session_attrs``...) is read by libpq's own parser
-    (``psycopg2.extensions.parse_dsn``) into connection parameters, so it means
-    exactly what it means to ``psycopg2.connect``."""
+def build_engine(settings: Any) -> Engine:
+    """The engine for ``IDEMPOTENCY_DATABASE_URL`` (``settings.Settings``): psycopg2,
+    ``pool_size`` connections per process and no overflow. The DSN (a URL or
+    ``key=value`` pairs, several hosts, ``target_session_attrs``...) is read by
+    libpq's own parser (``psycopg2.extensions.parse_dsn``) into connection
+    parameters, so it means exactly what it means to ``psycopg2.connect``."""
     parameters = {
-        **psycopg2.extensions.parse_dsn(dsn),
-        "connect_timeout": max(1, round(connect_timeout)),
+        **psycopg2.extensions.parse_dsn(settings.database_url),
+        "connect_timeout": max(1, round(settings.connect_timeout)),
         **TCP_DEFAULTS,
-        **connect_kwargs,
+        **settings.connect_kwargs,
     }
     return sqlalchemy.create_engine(
         "postgresql+psycopg2://",
         connect_args=parameters,
-        pool_size=pool_size,
+        pool_size=settings.pool_size,
         max_overflow=0,
-        pool_timeout=pool_timeout,
+        pool_timeout=settings.pool_timeout,
     )
 
 
@@ -213,10 +204,8 @@ class EnginePool:
         #: DBAPI connection -> the SQLAlchemy connection it was lent with.
         self._lent: dict[Any, SAConnection] = {}
         self._lock = threading.Lock()
-        self._keeper: Any = None
-        self._keeper_pool: Any = None
-        self._keeper_pid = -1
-        self._keeper_lock = threading.Lock()
+        #: The lease keeper's pool, and the process that made it.
+        self._keeper: tuple[int, Pool] | None = None
         self._warned_wait = False
         guard_forks(engine)
 
@@ -237,11 +226,7 @@ class EnginePool:
             if self.observer is not None:
                 self.observer.pool_timeout()
             _unavailable(exc)
-        except StoreUnavailableError:
-            raise  # (the breaker opened, or no time was left to connect)
         except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
-            if isinstance(getattr(exc, "orig", None), StoreUnavailableError):
-                raise exc.orig from exc
             _unavailable(exc)
         finally:
             _CHECKOUT.terms = None
@@ -272,10 +257,7 @@ class EnginePool:
         is unknown (an engine given with ``engine=``)."""
         capacity = self.capacity()
         pool: Any = self.engine.pool
-        if capacity is None or not callable(getattr(pool, "checkedin", None)):
-            return False
-        limit, setting = capacity
-        if pool.checkedin() > 0 or pool.checkedout() < limit:
+        if capacity is None or pool.checkedin() > 0 or pool.checkedout() < capacity[0]:
             return False
         if not self._warned_wait:
             self._warned_wait = True
@@ -284,8 +266,7 @@ class EnginePool:
                 "are in use. Each in-flight idempotent request holds one until it "
                 "completes; size the pool to at least the worker's threads (requests "
                 "answer 503 after its pool_timeout). Logged once per process.",
-                limit,
-                setting,
+                *capacity,
             )
         return True
 
@@ -302,14 +283,13 @@ class EnginePool:
         with self._lock:
             connection = self._lent.pop(conn)
         try:
-            if not discard and not conn.closed:
-                try:
-                    discard = self.driver.in_transaction(conn)
-                    if not discard:
-                        conn.autocommit = False
-                except driver.ERRORS:
-                    discard = True
-            if discard or conn.closed:
+            discard = discard or bool(conn.closed) or self.driver.in_transaction(conn)
+            if not discard:
+                conn.autocommit = False
+        except driver.ERRORS:
+            discard = True
+        try:
+            if discard:
                 connection.invalidate()
             connection.close()
         except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
@@ -320,16 +300,23 @@ class EnginePool:
 
     @contextmanager
     def connection(self, *, discard: bool = False) -> Iterator[Connection]:
-        """A connection for the block; closed after it with ``discard``."""
+        """A connection for the block, given back after it (closed with ``discard``).
+        A driver error in the block is a ``StoreUnavailableError`` (the connection,
+        and its idle peers when PostgreSQL looks unreachable, discarded), or for a
+        missing table or function the ``SchemaMismatchError`` that names the
+        command to run."""
         conn = self.getconn()
-        broken = discard
+        unreachable = False
         try:
             yield conn
         except driver.ERRORS as exc:
-            broken = is_unreachable(exc, conn)
-            raise
+            discard = unreachable = is_unreachable(exc, conn)
+            reason = f"{type(exc).__name__}: {exc}".strip()
+            raise mismatch(exc) or StoreUnavailableError(reason) from exc
         finally:
-            self.putconn(conn, discard=broken)
+            self.putconn(conn, discard=discard)
+            if unreachable:
+                self.discard_idle()
 
     def discard_idle(self) -> None:
         """After an outage the idle connections are as dead as the one that failed:
@@ -348,56 +335,45 @@ class EnginePool:
         """How many requests can hold a connection at once, and the setting that
         decides it; ``None`` when that is not known (a pool of no fixed size, or an
         engine given with ``engine=``, whose ``max_overflow`` SQLAlchemy does not say)."""
-        pool: Any = self.engine.pool
-        size = getattr(pool, "size", None)
-        if isinstance(pool, NullPool) or not callable(size) or self._max_overflow is None:
+        size = getattr(self.engine.pool, "size", None)
+        if not callable(size) or self._max_overflow is None:
             return None
         if self.owned:
             return int(size()), 'IDEMPOTENCY_DATABASE_OPTIONS["pool_size"]'
         return int(size()) + self._max_overflow, "the engine's pool_size + max_overflow"
 
-    # -- the lease keeper's connection -------------------------------------------
-
-    def renewal_connection(self) -> Connection:
-        """The lease keeper's own autocommit connection, outside the request pool;
-        the same one on every call until ``discard_renewal_connection()``."""
-        with self._keeper_lock:
-            if self._keeper_pid != os.getpid():
-                # The parent's, after a fork: forgotten, not closed.
-                self._keeper = self._keeper_pool = None
-                self._keeper_pid = os.getpid()
-            if self._keeper is not None and self._keeper.driver_connection.closed:
-                self._drop_keeper()
-            if self._keeper is None:
-                if self._keeper_pool is None:
-                    self._keeper_pool = self.engine.pool.recreate()
-                try:
-                    proxy = self._keeper_pool.connect()
-                except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
-                    _unavailable(exc)
-                proxy.driver_connection.autocommit = True
-                self._keeper = proxy
-            return self._keeper.driver_connection
-
-    def discard_renewal_connection(self) -> None:
-        with self._keeper_lock:
-            if self._keeper_pid == os.getpid():
-                self._drop_keeper()
-
-    def _drop_keeper(self) -> None:
-        proxy, self._keeper = self._keeper, None
-        if proxy is not None:
+    @contextmanager
+    def renewal(self) -> Iterator[Connection]:
+        """The lease keeper's autocommit connection, outside the request pool: from a
+        copy of the engine's pool (``Pool.recreate()``: the same creator and events)
+        that only the keeper uses, so it never takes one of the application's
+        connections and never waits behind requests. Invalidated after a failure."""
+        with self._lock:
+            if self._keeper is None or self._keeper[0] != os.getpid():
+                # None yet, or the parent's after a fork: forgotten, not closed.
+                self._keeper = (os.getpid(), self.engine.pool.recreate())
+            pool = self._keeper[1]
+        try:
+            proxy = pool.connect()
+        except (sqlalchemy.exc.DBAPIError, *driver.ERRORS) as exc:  # type: ignore[misc]
+            _unavailable(exc)
+        raw: Any = proxy.driver_connection
+        try:
+            raw.autocommit = True
+            yield raw
+            raw.autocommit = False
+        except BaseException:
             proxy.invalidate()
+            raise
+        finally:
             proxy.close()
 
     def close(self) -> None:
-        """Close the keeper's connection and pool; the engine too when the extension
-        built it (an application's engine is the application's)."""
-        with self._keeper_lock:
-            if self._keeper_pid == os.getpid():
-                self._drop_keeper()
-                if self._keeper_pool is not None:
-                    self._keeper_pool.dispose()
-            self._keeper = self._keeper_pool = None
+        """Close the keeper's pool; the engine too when the extension built it (an
+        application's engine is the application's)."""
+        with self._lock:
+            keeper, self._keeper = self._keeper, None
+        if keeper is not None and keeper[0] == os.getpid():
+            keeper[1].dispose()
         if self.owned:
             self.engine.dispose()

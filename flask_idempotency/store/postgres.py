@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -23,8 +23,8 @@ from .breaker import StoreBreaker
 from .errors import is_unreachable
 from .maintenance import Maintenance
 from .pool import Connection, EnginePool, build_engine
-from .request import PostgresRequest, RowClaimRequest, TransactionClaimRequest
-from .runner import Outcome, run, watched
+from .request import PostgresRequest
+from .runner import NoAnswer, run, watched
 from .sql import CLIENT_DEADLINE_GRACE, Statements, timeouts_sql
 
 log = logging.getLogger("flask_idempotency.store")
@@ -35,27 +35,20 @@ class PostgresStore(Maintenance):
     and everything that is not one request's (health, lease renewal, migrations;
     the maintenance operations come from :class:`~.maintenance.Maintenance`)."""
 
-    def __init__(
-        self,
-        pool: EnginePool,
-        *,
-        async_claim_commit: bool = True,
-        statement_timeout: float = 5.0,
-        lock_timeout: float = 2.0,
-        claim_mode: str = "row",
-        breaker_threshold: int = 3,
-        breaker_cooldown: float = 1.0,
-    ) -> None:
+    def __init__(self, pool: EnginePool, settings: Any) -> None:
+        """The store on ``pool``, configured by ``settings`` (``settings.Settings``:
+        the claim mode, the timeouts, the breaker's threshold and cooldown)."""
         self.pool = pool
         #: How the pool's connections take our statements (psycopg2 or psycopg 3).
         self.driver = pool.driver
         #: ``"row"`` (a processing row, committed on its own) or ``"transaction"``.
-        self.claim_mode = claim_mode
+        self.claim_mode = settings.claim_mode
+        statement_timeout, lock_timeout = settings.statement_timeout, settings.lock_timeout
         #: One text per operation (``sql.Statements``), built once from the settings.
         self.statements = Statements.build(
             statement_timeout=statement_timeout,
             lock_timeout=lock_timeout,
-            async_claim_commit=async_claim_commit,
+            async_claim_commit=settings.async_claim_commit,
         )
         #: ``SET LOCAL`` of the timeouts, for the maintenance statements.
         self.timeouts = timeouts_sql(statement_timeout, lock_timeout)
@@ -70,7 +63,9 @@ class PostgresStore(Maintenance):
         #: instead of queueing behind a frozen server (``breaker.py``). Reports to
         #: the pool's observer, which ``observability.attach`` sets.
         self.breaker = StoreBreaker(
-            breaker_threshold, breaker_cooldown, observer=lambda: self.pool.observer
+            settings.store_breaker_threshold,
+            settings.store_breaker_cooldown,
+            observer=lambda: self.pool.observer,
         )
 
     @classmethod
@@ -81,48 +76,17 @@ class PostgresStore(Maintenance):
         application's: ``db=`` or ``engine=``; ``max_overflow`` its pool's, when
         known), else on one built from ``IDEMPOTENCY_DATABASE_URL``."""
         if engine is not None:
-            pool = EnginePool(engine, max_overflow=max_overflow)
-        else:
-            built = build_engine(
-                settings.database_url,
-                pool_size=settings.pool_size,
-                pool_timeout=settings.pool_timeout,
-                connect_timeout=settings.connect_timeout,
-                connect_kwargs=dict(settings.connect_kwargs),
-            )
-            pool = EnginePool(built, owned=True)
-        return cls(
-            pool,
-            async_claim_commit=settings.async_claim_commit,
-            statement_timeout=settings.statement_timeout,
-            lock_timeout=settings.lock_timeout,
-            claim_mode=settings.claim_mode,
-            breaker_threshold=settings.store_breaker_threshold,
-            breaker_cooldown=settings.store_breaker_cooldown,
-        )
+            return cls(EnginePool(engine, max_overflow=max_overflow), settings)
+        return cls(EnginePool(build_engine(settings), owned=True), settings)
 
     def begin(self) -> PostgresRequest:
         """A new request's handle, in this store's claim mode."""
-        if self.claim_mode == "transaction":
-            return TransactionClaimRequest(self)
-        return RowClaimRequest(self)
+        return PostgresRequest(self)
 
-    @contextmanager
-    def autocommit(self, *, discard: bool = False) -> Iterator[Connection]:
+    def autocommit(self, *, discard: bool = False) -> AbstractContextManager[Connection]:
         """A pooled autocommit connection for the extension's own maintenance
-        statements (closed after the block with ``discard``): any driver error is a
-        ``StoreUnavailableError``, a missing table or function the
-        ``SchemaMismatchError`` that names the command to run."""
-        try:
-            with self.pool.connection(discard=discard) as conn:
-                yield conn
-        except driver.ERRORS as exc:
-            if is_unreachable(exc):
-                self.pool.discard_idle()
-            raise (
-                schema.mismatch(exc)
-                or StoreUnavailableError(f"{type(exc).__name__}: {exc}".strip())
-            ) from exc
+        statements (``EnginePool.connection``: driver errors become the store's)."""
+        return self.pool.connection(discard=discard)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -136,7 +100,7 @@ class PostgresStore(Maintenance):
         the client-side deadline: one waiting for a synchronous standby that is
         gone ignores ``statement_timeout``, and its outcome is then unknown (503).
         """
-        request = RowClaimRequest(self, guarded=False)
+        request = PostgresRequest(self, guarded=False)
         try:
             conn = request.connection()
             try:
@@ -150,102 +114,71 @@ class PostgresStore(Maintenance):
             request.close()
 
     def ping(self) -> None:
-        """One short statement under the extension's timeouts (health checks); at once
-        ``StoreUnavailableError`` while the breaker is open, which it may probe. A
-        pooled connection that died while idle is replaced once and not counted, as
-        a claim's is: a health check just after a restart finds the server up."""
-        self.breaker.admit()
-        if not self._ping(retried_if_lost=True):
-            self._ping(retried_if_lost=False)
-
-    def _ping(self, *, retried_if_lost: bool) -> bool:
-        """``SELECT 1`` on a pooled connection: True once answered; False when
-        ``retried_if_lost`` and the connection was lost (the caller tries a fresh
-        one); ``StoreUnavailableError`` else."""
-        outcome = Outcome()
+        """One short statement under the extension's timeouts (health checks), sent as
+        a request's are: at once ``StoreUnavailableError`` while the breaker is open,
+        which it may probe; a pooled connection that died while idle is replaced once
+        and not counted, so a health check just after a restart finds the server up."""
+        request = PostgresRequest(self)
         try:
-            with self.autocommit() as conn:
-                run(
-                    conn,
-                    self.driver,
-                    self.statements.ping,
-                    deadline=self.deadline,
-                    breaker=self.breaker,
-                    retried_if_lost=retried_if_lost,
-                    outcome=outcome,
-                )
-        except StoreUnavailableError:
-            if outcome.lost and not outcome.fired and retried_if_lost:
-                return False
-            raise
-        return True
+            request._send("ping", self.statements.ping, retry=True)
+        finally:
+            request.close()
 
     def prepare_renewals(self) -> None:
         """Open the lease keeper's connection ahead of its first renewal (best effort:
         a failure here is retried by the renewal)."""
         try:
-            with self._renew_lock:
-                self.pool.renewal_connection()
+            with self._renew_lock, self.pool.renewal():
+                pass
         except StoreUnavailableError as exc:
             log.warning("idempotency: no connection for lease renewals yet: %s", exc)
 
     def renew(self, holds: Sequence[LeaseHold]) -> int:
         """Renew ``holds`` on the keeper's own connection, never a request slot: a pool
-        whose every connection is held by a slow view still gets its leases renewed."""
+        whose every connection is held by a slow view still gets its leases renewed.
+        A connection that died while the keeper waited (a restart, a healed
+        partition) is replaced at once, as renewing is idempotent, rather than a
+        whole interval later."""
         if not holds:
             return 0
-        params = (
-            [h.record_key for h in holds],
-            [h.token for h in holds],
-            [h.lease for h in holds],
-        )
-        retry = True
+        params = ([h.record_key for h in holds], [h.token for h in holds], [h.lease for h in holds])
+        retry, text, deadline = True, self.statements.renew, self.deadline
         with self._renew_lock:
             while True:
-                conn = self.pool.renewal_connection()
-                outcome = Outcome()
                 try:
-                    count = run(
-                        conn,
-                        self.driver,
-                        self.statements.renew,
-                        params,
-                        deadline=self.deadline,
-                        breaker=None,
-                        outcome=outcome,
-                    )
+                    with self.pool.renewal() as conn:
+                        return int(
+                            run(conn, self.driver, text, params, deadline=deadline, breaker=None)
+                        )
                 except driver.ERRORS as exc:
-                    if outcome.lost:
-                        self.pool.discard_renewal_connection()
-                    if outcome.lost and not outcome.fired and retry:
-                        # The keeper's connection died while it waited (a restart, a
-                        # healed partition): renewing is idempotent, so at once once
-                        # more on a fresh one rather than a whole interval later.
-                        retry = False
-                        continue
-                    reason = "no answer in time" if outcome.fired else type(exc).__name__
-                    raise StoreUnavailableError(f"renewal failed: {reason}") from exc
-                return int(count)
+                    # Once more on a fresh connection if the keeper's died while idle;
+                    # not if the server did not answer in time.
+                    cut = isinstance(exc, NoAnswer)
+                    if not retry or cut or not is_unreachable(exc):
+                        reason = "no answer in time" if cut else type(exc).__name__
+                        raise StoreUnavailableError(f"renewal failed: {reason}") from exc
+                    retry = False
 
-    def inspect_schema(self, *, keep_connection: bool = True) -> schema.Problem | None:
+    def inspect_schema(self) -> schema.Problem | None:
         """What the database lacks of the extension's own schema, read from the
         migrations ledger under the extension's timeouts; ``None`` when it is in
-        place. ``StoreUnavailableError`` when PostgreSQL does not answer."""
-        with self.autocommit(discard=not keep_connection) as conn:
+        place. ``StoreUnavailableError`` when PostgreSQL does not answer.
+
+        On a connection closed after it: read in ``init_app`` too, where an app
+        built before a fork (gunicorn's ``--preload``) must not leave its workers
+        a socket of the parent's in the pool."""
+        with self.autocommit(discard=True) as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
                 return schema.inspect(cur, self._migration_names)
 
     def check_schema_at_start(self) -> schema.Problem | None:
-        """:meth:`inspect_schema` for ``init_app``, on a connection closed after it:
-        an app built before a fork (gunicorn's ``--preload``) must not leave its
-        workers a shared socket in a pool that cannot tell (SQLAlchemy's)."""
-        return self.schema.check(lambda: self.inspect_schema(keep_connection=False))
+        return self.schema.check()
 
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         """The migrations this database has not applied (``flask idempotency doctor``)."""
-        found = migrations.all_migrations(extra_dirs)
+        names = [name for name, _ in migrations.all_migrations(extra_dirs)]
         with self.autocommit() as conn, self.driver.cursor(conn) as cur:
-            return migrations.pending(cur, found)
+            return migrations.pending(cur, names)
 
     def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         found = migrations.all_migrations(extra_dirs)

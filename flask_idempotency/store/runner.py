@@ -8,13 +8,14 @@ keeper's renewal, a health check, the schema's inspection) goes through
   costs one deadline, never a hung thread;
 * the store's circuit breaker (``breaker.py``): how the statement ended is
   counted once, here;
-* the classification of "unreachable" (``errors.py``): the caller learns
-  whether the connection is lost (and must be dropped) from the result.
+* the classification of "unreachable" (``errors.py``): a statement cut at its
+  deadline raises :class:`NoAnswer`, so a caller tells a server that is not
+  answering from a connection that died while idle (worth one more try on a
+  fresh one).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,18 +25,7 @@ import psycopg2
 from . import driver
 from .breaker import StoreBreaker
 from .driver import Driver
-from .errors import is_unreachable
 from .watchdog import WATCHDOG
-
-
-@dataclasses.dataclass
-class Outcome:
-    """How a statement ended when it did not return normally."""
-
-    #: The watchdog cut the statement at its deadline: PostgreSQL did not answer.
-    fired: bool = False
-    #: The connection is lost (closed, reset, a server shutting down): drop it.
-    lost: bool = False
 
 
 class NoAnswer(psycopg2.OperationalError):
@@ -50,15 +40,13 @@ def watched(
     *,
     counts: bool = True,
     retried_if_lost: bool = False,
-    outcome: Outcome | None = None,
 ) -> Iterator[None]:
     """The block's statements on ``conn`` under one client-side deadline; how they
-    ended goes to ``outcome`` (if given) and to ``breaker`` (unless ``None``). A
-    connection the watchdog shut down is closed, and the block raises ``NoAnswer``
-    even if its statement returned."""
-    outcome = outcome if outcome is not None else Outcome()
-    on_fire = breaker.no_answer if breaker is not None and counts else None
-    ticket = WATCHDOG.watch(conn, deadline, on_fire)
+    ended goes to ``breaker`` (unless ``None``). A connection the watchdog shut
+    down is closed, and the block raises ``NoAnswer`` (from the driver's error, or
+    even if its statement returned: an answer as the socket was shut down is not
+    to be trusted)."""
+    ticket = WATCHDOG.watch(conn, deadline, breaker.no_answer if breaker and counts else None)
     error: BaseException | None = None
     try:
         yield
@@ -66,16 +54,13 @@ def watched(
         error = exc
         raise
     finally:
-        outcome.fired = WATCHDOG.unwatch(ticket)
-        outcome.lost = outcome.fired or (
-            isinstance(error, driver.ERRORS) and is_unreachable(error, conn)
-        )
+        fired = WATCHDOG.unwatch(ticket)
         if breaker is not None:
-            breaker.outcome(conn, error, fired=outcome.fired, retried_if_lost=retried_if_lost)
-        if outcome.fired:
+            breaker.outcome(conn, error, fired=fired, retried_if_lost=retried_if_lost)
+        if fired:
             conn.close()
-    if outcome.fired:  # answered just as the socket was shut down: not to be trusted
-        raise NoAnswer("no answer from PostgreSQL before the deadline")
+            if error is None or isinstance(error, driver.ERRORS):
+                raise NoAnswer("no answer from PostgreSQL before the deadline") from error
 
 
 def run(
@@ -89,26 +74,19 @@ def run(
     fetch: bool = False,
     counts: bool = True,
     retried_if_lost: bool = False,
-    outcome: Outcome | None = None,
 ) -> Any:
     """Run ``sql`` on ``conn`` within ``deadline`` seconds (:func:`watched`); the first
     row if ``fetch``, else the number of rows the last statement touched.
 
-    Raises the driver's errors. The breaker hears of the outcome unless ``breaker``
-    is ``None``: a statement cut with ``counts`` false (cut short because its
-    request waited elsewhere) is not counted, nor a lost connection the caller
-    retries on a fresh one (``retried_if_lost``: a pooled connection that died
-    while idle says nothing about the server now; the retry counts instead).
+    Raises the driver's errors (``NoAnswer`` past the deadline). The breaker hears
+    of the outcome unless ``breaker`` is ``None``: a statement cut with ``counts``
+    false (cut short because its request waited elsewhere) is not counted, nor a
+    lost connection the caller retries on a fresh one (``retried_if_lost``: a
+    pooled connection that died while idle says nothing about the server now; the
+    retry counts instead).
     """
     with (
-        watched(
-            conn,
-            deadline,
-            breaker,
-            counts=counts,
-            retried_if_lost=retried_if_lost,
-            outcome=outcome,
-        ),
+        watched(conn, deadline, breaker, counts=counts, retried_if_lost=retried_if_lost),
         drv.cursor(conn) as cur,
     ):
         drv.execute(cur, sql, params)

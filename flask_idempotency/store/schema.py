@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from . import migrations
@@ -79,7 +79,7 @@ def mismatch(exc: BaseException) -> SchemaMismatchError | None:
     return SchemaMismatchError(detail, missing=missing)
 
 
-def inspect(cur: Any, names: Sequence[str]) -> Problem | None:
+def inspect(cur: Any, names: list[str]) -> Problem | None:
     """Compare the database's ledger with the package's migration ``names``.
 
     A database with the records table but no ledger was set up some other way:
@@ -88,19 +88,17 @@ def inspect(cur: Any, names: Sequence[str]) -> Problem | None:
     """
     cur.execute(PRESENCE)
     ledger, records = cur.fetchall()[0]
-    if not ledger:
-        if records:
-            return None
-        return Problem(True, f"the database has no idempotency tables; {FIX}")
-    pending = migrations.pending(cur, [(name, "") for name in names])
-    if not pending:
+    if records and not ledger:
         return None
-    if len(pending) == len(names):
+    todo = migrations.pending(cur, names) if ledger else names
+    if not todo:
+        return None
+    if len(todo) == len(names):
         return Problem(True, f"the database has no idempotency tables; {FIX}")
-    shown = ", ".join(pending[:3]) + (" ..." if len(pending) > 3 else "")
+    shown = ", ".join(todo[:3]) + (" ..." if len(todo) > 3 else "")
     return Problem(
         False,
-        f"the idempotency schema is older than this flask-idempotency: {len(pending)} "
+        f"the idempotency schema is older than this flask-idempotency: {len(todo)} "
         f"migration(s) not applied ({shown}); {FIX}",
     )
 
@@ -125,7 +123,8 @@ class SchemaWatch:
         self.recheck = recheck
         self._clock = clock
         self._lock = threading.Lock()
-        self._problem: Problem | None = None
+        #: The known problem, or ``None`` (in place, or not yet known).
+        self.problem: Problem | None = None
         #: Whether the ledger was read (or a statement failed) yet: until then the
         #: first request reads it, so a schema that lets the claim through but not
         #: the completion is refused before the view runs, not after.
@@ -134,16 +133,10 @@ class SchemaWatch:
         #: The problem last logged, so each is logged once, not per request.
         self._logged: Problem | None = None
 
-    @property
-    def problem(self) -> Problem | None:
-        """The known problem, or ``None`` (in place, or not yet known)."""
-        return self._problem
-
-    def check(self, inspect: Callable[[], Problem | None] | None = None) -> Problem | None:
-        """Read the ledger now (with ``inspect`` instead, if given); log a new
-        problem, or its end."""
+    def check(self) -> Problem | None:
+        """Read the ledger now; log a new problem, or its end."""
         with self._lock:
-            return self._look(inspect)
+            return self._look()
 
     def migrated(self) -> None:
         """This process has just applied every migration (``IDEMPOTENCY_AUTO_MIGRATE``,
@@ -165,17 +158,15 @@ class SchemaWatch:
         be wrong. Every ``recheck`` seconds one caller reads the ledger again, and
         goes on to its claim if the problem is gone; the others meanwhile are
         refused from memory."""
-        problem = self._problem
+        problem = self.problem
         if problem is None:
             return
-        if self._clock() - self._checked_at < self.recheck or not self._lock.acquire(
-            blocking=False
-        ):
-            raise problem.error()
-        try:
-            problem = self._look()
-        finally:
-            self._lock.release()
+        due = self._clock() - self._checked_at >= self.recheck
+        if due and self._lock.acquire(blocking=False):
+            try:
+                problem = self._look()
+            finally:
+                self._lock.release()
         if problem is not None:
             raise problem.error()
 
@@ -185,9 +176,9 @@ class SchemaWatch:
         with self._lock:
             self._set(Problem(error.missing, error.detail, from_ledger=False))
 
-    def _look(self, inspect: Callable[[], Problem | None] | None = None) -> Problem | None:
+    def _look(self) -> Problem | None:
         self._checked_at = self._clock()  # also on failure: one caller at a time waits
-        problem = (inspect or self._inspect)()
+        problem = self._inspect()
         self._set(problem)
         return problem
 
@@ -196,9 +187,7 @@ class SchemaWatch:
         end once the ledger says so. A problem only a failed statement showed is
         not declared over by a ledger that never saw it, so a schema that keeps
         failing is not logged every few seconds."""
-        self._problem = problem
-        self._checked_at = self._clock()
-        self._known = True
+        self.problem, self._checked_at, self._known = problem, self._clock(), True
         logged = self._logged
         if problem is not None:
             self._logged = problem

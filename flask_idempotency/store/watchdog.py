@@ -28,6 +28,7 @@ still using.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -51,10 +52,8 @@ class Watchdog:
         self._watched: dict[int, tuple[float, Any, Callable[[], None] | None]] = {}
         self._kill_lock = threading.Lock()
         self._start_lock = threading.Lock()
-        self._running = False
-        #: The process whose thread watches: a fork's child has none (``watch``).
-        self._pid = os.getpid()
-        self.fired = 0
+        #: The process whose thread watches; ``None`` before it starts.
+        self._pid: int | None = None
 
     def watch(self, conn: Any, seconds: float, on_fire: Callable[[], None] | None = None) -> int:
         """Start watching one statement on ``conn``; returns the ticket for ``unwatch``.
@@ -63,7 +62,7 @@ class Watchdog:
         round is shut down: the store's breaker counts every statement that ran out
         together before the first of their threads wakes and takes another request.
         """
-        if not self._running or self._pid != os.getpid():
+        if self._pid != os.getpid():
             self._start()
         ticket = next(self._tickets)
         self._watched[ticket] = (time.monotonic() + seconds, conn, on_fire)
@@ -78,23 +77,17 @@ class Watchdog:
             return True
 
     def _start(self) -> None:
-        if self._pid != os.getpid():
+        if self._pid is not None and self._pid != os.getpid():
             # A forked child: the parent's thread did not survive the fork, nor do the
             # parent's statements matter here. A process-id check rather than an
             # at-fork hook: uWSGI forks without running those unless told to.
-            self._watched = {}
-            self._kill_lock = threading.Lock()
-            self._start_lock = threading.Lock()
-            self._running = False
-            self._pid = os.getpid()
+            self._watched, self._pid = {}, None
+            self._kill_lock, self._start_lock = threading.Lock(), threading.Lock()
         with self._start_lock:
-            if self._running:
-                return
-            thread = threading.Thread(
-                target=self._run, name="idempotency-statement-watchdog", daemon=True
-            )
-            thread.start()
-            self._running = True
+            if self._pid is None:
+                name = "idempotency-statement-watchdog"
+                threading.Thread(target=self._run, name=name, daemon=True).start()
+                self._pid = os.getpid()
 
     def _run(self) -> None:
         while True:
@@ -113,28 +106,23 @@ class Watchdog:
         with self._kill_lock:
             taken = [entry for t in overdue if (entry := self._watched.pop(t, None)) is not None]
             for _, _, on_fire in taken:
-                if on_fire is not None:
-                    try:
+                try:
+                    if on_fire is not None:
                         on_fire()
-                    except Exception:
-                        log.exception("idempotency: watchdog callback failed")
+                except Exception:
+                    log.exception("idempotency: watchdog callback failed")
             for _, conn, _ in taken:
                 self._shut_down(conn)
 
-    def _shut_down(self, conn: Any) -> None:
-        self.fired += 1
+    @staticmethod
+    def _shut_down(conn: Any) -> None:
         try:
-            fd = conn.fileno()
-            dup = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+            dup = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
         except Exception as exc:  # closed meanwhile, or no socket: nothing to wake
             log.debug("idempotency: watchdog found no socket to shut down: %s", exc)
             return
-        try:
+        with dup, contextlib.suppress(OSError):
             dup.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            dup.close()
         log.warning("idempotency: PostgreSQL did not answer in time; connection shut down")
 
 

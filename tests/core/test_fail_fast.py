@@ -323,12 +323,14 @@ def test_the_views_statements_keep_the_sessions_timeouts(make_app: MakeApp) -> N
 
 
 def test_connections_carry_keepalives_unless_overridden(clean_db: str) -> None:
+    from flask_idempotency.settings import Settings
     from flask_idempotency.store.pool import EnginePool, build_engine
 
     def pool_of(**kwargs: object) -> EnginePool:
-        engine = build_engine(
-            clean_db, pool_size=1, pool_timeout=1, connect_timeout=3, connect_kwargs=kwargs
+        settings = Settings(
+            database_url=clean_db, pool_size=1, pool_timeout=1, connect_kwargs=kwargs
         )
+        engine = build_engine(settings)
         return EnginePool(engine, owned=True)
 
     pool = pool_of()

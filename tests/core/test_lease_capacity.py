@@ -28,6 +28,7 @@ import pytest
 from flask import Flask, Response, jsonify, request
 
 from flask_idempotency import Idempotency
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.pool import EnginePool, build_engine
 from flask_idempotency.workers import check_pool_size
 from support import core_app
@@ -151,9 +152,7 @@ def test_keeper_renews_while_every_pool_slot_is_held(
 def test_waiting_for_a_pool_slot_is_warned_about_once(
     clean_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = build_engine(
-        clean_db, pool_size=1, pool_timeout=5, connect_timeout=3, connect_kwargs={}
-    )
+    engine = build_engine(Settings(database_url=clean_db, pool_size=1, pool_timeout=5))
     pool = EnginePool(engine, owned=True)
     held = pool.getconn()
     taken: list[Any] = []

@@ -276,10 +276,10 @@ def test_expired_records_are_swept_without_any_command() -> None:
     forget expired records now and then, so the store does not grow for ever."""
     store = MemoryStore()
     for n in range(SWEEP_EVERY - 1):
-        store.claim(b"old-%d" % n, b"fp", lease=1, ttl=1)
+        store.begin().claim(b"old-%d" % n, b"fp", lease=1, ttl=1)
     store.advance(2)
     assert store.stats()["expired"] == SWEEP_EVERY - 1
-    store.claim(b"new", b"fp", lease=1, ttl=1)  # the claim that sweeps
+    store.begin().claim(b"new", b"fp", lease=1, ttl=1)  # the claim that sweeps
     assert store.stats() == {"processing": 1, "completed": 0, "expired": 0}
 
 
@@ -287,16 +287,15 @@ def test_a_records_ttl_counts_from_its_claim_unless_the_view_was_slow() -> None:
     """As PostgreSQL's completion (migration 0009): a fast view keeps the claim's
     expiry; one slower than a tenth of the TTL stores an answer that lives nine
     tenths of the TTL from its completion."""
-    store = MemoryStore()
     answer = StoredResponse(201, (), b"{}")
-    remaining = {}
-    for name, view_seconds in (("fast", 1.0), ("slow", 50 * 60.0)):
-        claimed = store.claim(name.encode(), b"fp", lease=30, ttl=3600)
+    for view_seconds, lives in ((1.0, 3600 - 1.0), (50 * 60.0, 0.9 * 3600)):
+        store = MemoryStore()
+        handle = store.begin()
+        claimed = handle.claim(b"k", b"fp", lease=30, ttl=3600)
         assert isinstance(claimed, Claimed)
         store.advance(view_seconds)
-        store.complete(name.encode(), claimed.token, answer)
-        info = store.info(name.encode())
-        assert info is not None
-        remaining[name] = (info.expires_at - info.completed_at).total_seconds()  # type: ignore[operator]
-    assert remaining["fast"] == pytest.approx(3600 - 1.0)
-    assert remaining["slow"] == pytest.approx(0.9 * 3600)
+        handle.complete(b"k", claimed.token, answer)
+        store.advance(lives - 0.5)
+        assert store.stats() == {"processing": 0, "completed": 1, "expired": 0}, view_seconds
+        store.advance(1.0)
+        assert store.stats() == {"processing": 0, "completed": 0, "expired": 1}, view_seconds

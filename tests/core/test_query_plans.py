@@ -25,6 +25,7 @@ import psycopg2
 import psycopg2.extras
 import pytest
 
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.pool import EnginePool, build_engine
 from flask_idempotency.store.postgres import PostgresStore
@@ -39,7 +40,7 @@ WARM_EXECUTIONS = 10
 @pytest.fixture
 def store(clean_db: str) -> Iterator[PostgresStore]:
     """A store with one pooled connection, so every claim reuses its cached plans."""
-    store = PostgresStore(_one_connection(clean_db), async_claim_commit=False)
+    store = PostgresStore(_one_connection(clean_db), Settings(async_claim_commit=False))
     store.migrate()
     try:
         yield store
@@ -48,7 +49,7 @@ def store(clean_db: str) -> Iterator[PostgresStore]:
 
 
 def _one_connection(dsn: str) -> EnginePool:
-    engine = build_engine(dsn, pool_size=1, pool_timeout=5, connect_timeout=3, connect_kwargs={})
+    engine = build_engine(Settings(database_url=dsn, pool_size=1, connect_timeout=3))
     return EnginePool(engine, owned=True)
 
 
@@ -119,7 +120,7 @@ def test_the_claims_settings_do_not_reach_the_views_transaction(clean_db: str) -
     """The timeouts and the asynchronous commit are ``SET LOCAL`` in the claim's
     own implicit transaction: the view's queries, on the same connection right
     after, run as the session says, and its COMMIT is durable."""
-    store = PostgresStore(_one_connection(clean_db), async_claim_commit=True)
+    store = PostgresStore(_one_connection(clean_db), Settings(async_claim_commit=True))
     store.migrate()
     request = store.begin()
     try:

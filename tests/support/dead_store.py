@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from flask import Flask
 
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.pool import EnginePool, build_engine
 
 #: Nothing listens on the discard port: a connect is refused at once.
@@ -16,7 +17,7 @@ DEAD_DSN = "postgresql://postgres@127.0.0.1:9/none"
 
 def dead_pool() -> EnginePool:
     engine = build_engine(
-        DEAD_DSN, pool_size=2, pool_timeout=1.0, connect_timeout=2, connect_kwargs={}
+        Settings(database_url=DEAD_DSN, pool_size=2, pool_timeout=1.0, connect_timeout=2)
     )
     return EnginePool(engine, owned=True)
 
