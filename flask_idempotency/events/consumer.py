@@ -151,15 +151,7 @@ class ConsumerGuard:
     def _handle(self, app: Flask, delivery: Delivery, dead_letter: DeadLetter | None) -> Result:
         state = app_state(app)
         route = state.options_for(
-            route_options(
-                True,
-                ttl=self.options.ttl,
-                lease=self.options.lease,
-                wait=None,
-                should_store=None,
-                scope_func=None,
-                fingerprint_func=None,
-            )
+            route_options(True, ttl=self.options.ttl, lease=self.options.lease)
         )
         key = self.options.key(delivery)
         if not key:
