@@ -161,7 +161,6 @@ class Recoverer:
         taken = self.store.take_over(cutoff, self.batch_size, self.lease)
         for item in taken:
             self.state.keeper.hold(LeaseHold(item.record_key, item.token, self.lease))
-            self.state.metrics.inc("abandoned")
         return taken
 
     def recover(self, taken: Taken) -> RecoveryOutcome:
@@ -175,7 +174,6 @@ class Recoverer:
             outcome = RecoveryOutcome.DEFERRED
         finally:
             self.state.keeper.drop(taken.record_key, taken.token)
-        self.state.metrics.inc(_METRIC[outcome])
         return outcome
 
     def _recover(self, taken: Taken, label: str) -> RecoveryOutcome:
@@ -285,16 +283,6 @@ class Recoverer:
         if not self.store.hand_back(taken.record_key, taken.token):
             return RecoveryOutcome.FENCED
         return outcome
-
-
-#: Per-process counters (``idempotency.metrics()``) of the completer's outcomes.
-_METRIC = {
-    RecoveryOutcome.RECOVERED: "recovered",
-    RecoveryOutcome.RELEASED: "recovery_released",
-    RecoveryOutcome.DEFERRED: "recovery_deferred",
-    RecoveryOutcome.FENCED: "recovery_fenced",
-    RecoveryOutcome.SKIPPED: "recovery_skipped",
-}
 
 
 def describe(outcomes: Mapping[RecoveryOutcome, int]) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from flask import Flask, Request, Response, current_app, request
 from werkzeug.exceptions import HTTPException
@@ -57,11 +57,13 @@ def run_view(
     # Resolved once: every attribute read through Flask's proxies costs a context
     # lookup, and the hot path reads the request about twenty times.
     app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    # The view as WSGI calls it: an ``async def`` one through Flask's ``ensure_sync``.
+    call = app.ensure_sync(view) if is_async else view
     if current_attempt() is not None:
         # A decorated view called from another one: the outer view's claim (or its
         # keyless transaction) already covers this request. A second claim of the
         # same key would answer 409 inside the outer view and wedge its record.
-        return _sync(app, view, is_async)(*args, **kwargs)
+        return call(*args, **kwargs)
     started = time.monotonic()
     req: Request = request._get_current_object()  # type: ignore[attr-defined]
     state = app_state(app)
@@ -82,7 +84,7 @@ def run_view(
     if key is None:
         keyless = Attempt(state, None, b"", route, started=started, request=req)
         bind(keyless)
-        return _call_view(keyless, app, _sync(app, view, is_async), args, kwargs)
+        return _call_view(keyless, call, args, kwargs)
 
     try:
         scope = keys.resolve_scope(route.scope_func, req)
@@ -104,8 +106,8 @@ def run_view(
         )
         if isinstance(decision, flow.Replay):
             return _replay(attempt, decision.response, "cache")
-        record(attempt, RequestOutcome.KEY_REUSED, status=KeyReused.code)
-        raise KeyReused()
+        assert isinstance(decision, flow.Reject)  # (a cached record is never claimed)
+        _refuse(attempt, decision, None)
 
     try:
         state.migrate_if_pending()
@@ -126,7 +128,7 @@ def run_view(
 
     if isinstance(decision, flow.Proceed):
         state.metrics.claimed(attempt)
-        return _call_view(attempt, app, _sync(app, view, is_async), args, kwargs)
+        return _call_view(attempt, call, args, kwargs)
 
     attempt.close()
     if isinstance(decision, flow.Replay):
@@ -136,24 +138,21 @@ def run_view(
             remaining = existing.ttl_remaining - (time.monotonic() - attempt.claimed_at)
             state.cache.put(record_key, fingerprint, decision.response, remaining)
         return _replay(attempt, decision.response, "store")
+    _refuse(attempt, decision, existing)
+
+
+def _refuse(attempt: Attempt, decision: flow.Reject, existing: Existing | None) -> NoReturn:
+    """A ``422`` (another request under the key) or a ``409`` (still running)."""
     if decision.reason is flow.Rejection.KEY_REUSED:
         record(attempt, RequestOutcome.KEY_REUSED, status=KeyReused.code)
         raise KeyReused()
     record(attempt, RequestOutcome.IN_PROGRESS, status=RequestInProgress.code)
     lease_remaining = existing.lease_remaining if existing is not None else None
-    raise RequestInProgress(
-        retry_after=flow.retry_after_seconds(settings.retry_after, lease_remaining)
-    )
+    retry_after = attempt.app_state.settings.retry_after
+    raise RequestInProgress(retry_after=flow.retry_after_seconds(retry_after, lease_remaining))
 
 
-def _sync(app: Flask, view: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
-    """The view as WSGI calls it: an ``async def`` one through Flask's ``ensure_sync``."""
-    return app.ensure_sync(view) if is_async else view
-
-
-def _call_view(
-    attempt: Attempt, app: Flask, view: Callable[..., Any], args: Any, kwargs: Any
-) -> Any:
+def _call_view(attempt: Attempt, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Run the (synchronous) view; if it raises, nothing of the attempt is kept,
     whatever answer an error handler later renders for the exception (a 402
     included)."""
