@@ -58,6 +58,7 @@ event id as task id, so an emitted event reaches its task once in effect.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -224,25 +225,22 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
     #: Celery's to count (``max_retries``) and do not count here.
     idempotency_max_worker_losses: int | None = 3
 
-    @property
+    @functools.cached_property
     def idempotency_guard(self) -> _TaskGuard:
         """The guard this task runs through (built on first use: Celery sets the
         task's options as attributes after the class is made)."""
-        guard = self.__dict__.get("_idempotency_guard")
-        if guard is None:
-            options = consumer_options(
-                self.idempotency_name or self.name,
-                key=None,
-                max_attempts=_NO_ATTEMPT_LIMIT,
-                lease=self.idempotency_lease,
-                ttl=self.idempotency_ttl,
-                retry_delay=self.idempotency_outage_delay,
-                max_retry_delay=self.idempotency_outage_delay,
-                busy_delay=self.idempotency_busy_delay,
-                max_worker_losses=self.idempotency_max_worker_losses,
-            )
-            guard = self.__dict__["_idempotency_guard"] = _TaskGuard(self._run_delivery, options)
-        return guard
+        options = consumer_options(
+            self.idempotency_name or self.name,
+            key=None,
+            max_attempts=_NO_ATTEMPT_LIMIT,
+            lease=self.idempotency_lease,
+            ttl=self.idempotency_ttl,
+            retry_delay=self.idempotency_outage_delay,
+            max_retry_delay=self.idempotency_outage_delay,
+            busy_delay=self.idempotency_busy_delay,
+            max_worker_losses=self.idempotency_max_worker_losses,
+        )
+        return _TaskGuard(self._run_delivery, options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
