@@ -140,7 +140,8 @@ class Attempt:
 
     def adopt(self, token: int, phases: dict[str, Any]) -> None:
         """The attempt holds its record under ``token``, resuming after ``phases``
-        (a dead holder's recovery points); the session joins its transaction."""
+        (a dead holder's recovery points): won by :meth:`claim`, or taken over by
+        the completer (whose keeper hold is its own); the session joins it."""
         self.token = token
         self.phases = phases
         self.begin().has_progress = bool(phases)
