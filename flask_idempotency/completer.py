@@ -254,8 +254,7 @@ class Recoverer:
             log.error("idempotency recover: key %s: answer too large to store; handed back", label)
             return RecoveryOutcome.DEFERRED
         try:
-            attempt.begin().count_recovered()
-            attempt.complete(stored, release_on_failure=False)
+            attempt.complete(stored, recovered=True)
         except LeaseLostError:
             log.warning("idempotency recover: key %s: taken over meanwhile; rolled back", label)
             return RecoveryOutcome.FENCED

@@ -176,15 +176,16 @@ class Attempt:
         self._keep_session()
         self.handle.checkpoint(self.record_key, self.token, phase, data_json)
 
-    def complete(self, stored: StoredResponse, *, release_on_failure: bool = True) -> None:
-        """Store ``stored`` in the attempt's transaction, fenced by its token.
+    def complete(self, stored: StoredResponse, *, recovered: bool = False) -> None:
+        """Store ``stored`` in the attempt's transaction, fenced by its token;
+        ``recovered``: the completer's, counted in the same transaction.
 
         Raises what the session's flush raises (nothing is settled then), then
         ``LeaseLostError`` when the record was taken over after our lease ran out
         (our transaction was rolled back: nothing of it is kept), and
         ``StoreUnavailableError`` when PostgreSQL failed (the claim was released,
-        best effort, so a retry runs again; the completer keeps it for its next
-        pass).
+        best effort, so a retry runs again; a recovered one is kept for the
+        completer's next pass).
         """
         assert self.handle is not None and self.record_key is not None and self.token is not None
         self._keep_session()  # before anything is settled: a failed flush is the work's failure
@@ -192,9 +193,11 @@ class Attempt:
         self.app_state.keeper.drop(self.record_key, self.token)
         started = time.monotonic()
         try:
+            if recovered:
+                self.handle.count_recovered()
             self.handle.complete(self.record_key, self.token, stored)
         except StoreUnavailableError:
-            if release_on_failure:
+            if not recovered:
                 self.handle.release(self.record_key, self.token)
             raise
         finally:
