@@ -170,11 +170,14 @@ class Attempt:
         return settlement, stored
 
     def checkpoint(self, phase: str, data_json: str) -> None:
-        """Commit the attempt's writes so far with the recovery point ``phase``
-        (row mode), the session's with them; ``LeaseLostError`` once taken over."""
-        assert self.handle is not None and self.record_key is not None and self.token is not None
+        """Commit the attempt's writes so far with the recovery point ``phase``, the
+        session's with them; ``LeaseLostError`` once taken over. Only a claim that
+        is a row (row mode) keeps recovery points: otherwise all commits at the end."""
+        handle, record_key, token = self.handle, self.record_key, self.token
+        if handle is None or record_key is None or token is None or not handle.holds_lease:
+            return
         self._keep_session()
-        self.handle.checkpoint(self.record_key, self.token, phase, data_json)
+        handle.checkpoint(record_key, token, phase, data_json)
 
     def complete(self, stored: StoredResponse, *, recovered: bool = False) -> None:
         """Store ``stored`` in the attempt's transaction, fenced by its token;

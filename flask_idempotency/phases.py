@@ -77,20 +77,18 @@ def run(attempt: Attempt | None, name: str, step: Callable[[], T]) -> Any:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"phase {name!r} must return JSON: {exc}") from None
     recorded = json.loads(encoded)  # a resumed attempt sees exactly the same value
-    handle = attempt.handle
-    # Row mode; in transaction mode (and on a keyless request) all commits at the end.
-    if attempt.record_key is not None and handle is not None and handle.holds_lease:
-        retry_after = attempt.app_state.settings.retry_after
-        try:
-            attempt.checkpoint(name, encoded)
-        except LeaseLostError as exc:
-            log.warning(
-                "idempotency: lease lost for key %s at phase %r; rolled back",
-                keys.log_key(attempt.record_key),
-                name,
-            )
-            raise LeaseLost(retry_after=retry_after) from exc
-        except StoreUnavailableError as exc:
-            raise from_store_error(exc, retry_after) from exc
+    retry_after = attempt.app_state.settings.retry_after
+    try:
+        attempt.checkpoint(name, encoded)
+    except LeaseLostError as exc:
+        assert attempt.record_key is not None  # (only a claimed record's phase is fenced)
+        log.warning(
+            "idempotency: lease lost for key %s at phase %r; rolled back",
+            keys.log_key(attempt.record_key),
+            name,
+        )
+        raise LeaseLost(retry_after=retry_after) from exc
+    except StoreUnavailableError as exc:
+        raise from_store_error(exc, retry_after) from exc
     attempt.phases[name] = recorded
     return recorded
