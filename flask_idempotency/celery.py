@@ -58,6 +58,7 @@ event id as task id, so an emitted event reaches its task once in effect.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -146,26 +147,15 @@ class TaskDeferred(Exception):
         return f"{self.reason}: try again in {self.delay:.2f} s"
 
 
-def _encode_result(value: Any) -> StoredResponse:
-    """A task's return value as the record stores it: JSON (``TypeError`` otherwise,
-    which fails the attempt like an exception of the task)."""
-    body = json.dumps(value, separators=(",", ":"), allow_nan=False)
-    return StoredResponse(200, _RESULT_HEADERS, body.encode("utf-8"))
-
-
-def _decode_result(stored: StoredResponse | None) -> Any:
-    """The value :func:`_encode_result` stored; ``None`` for a record without one."""
-    if stored is None or not stored.body:
-        return None
-    return json.loads(stored.body)
-
-
 class _TaskGuard(ConsumerGuard):
     """The consumer guard whose completed record keeps the task's result, and
     whose retries are Celery's."""
 
     def stored_record(self, returned: Any) -> StoredResponse:
-        return _encode_result(returned)
+        """The task's return value as JSON (``TypeError`` otherwise, which fails the
+        attempt like an exception of the task)."""
+        body = json.dumps(returned, separators=(",", ":"), allow_nan=False)
+        return StoredResponse(200, _RESULT_HEADERS, body.encode("utf-8"))
 
     def worker_losses(self, takeovers: int, delivery: Delivery) -> int:
         """Takeovers not explained by a retry: each attempt that raised and was
@@ -225,25 +215,22 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
     #: Celery's to count (``max_retries``) and do not count here.
     idempotency_max_worker_losses: int | None = 3
 
-    @property
+    @functools.cached_property
     def idempotency_guard(self) -> _TaskGuard:
         """The guard this task runs through (built on first use: Celery sets the
         task's options as attributes after the class is made)."""
-        guard = self.__dict__.get("_idempotency_guard")
-        if guard is None:
-            options = consumer_options(
-                self.idempotency_name or self.name,
-                key=None,
-                max_attempts=_NO_ATTEMPT_LIMIT,
-                lease=self.idempotency_lease,
-                ttl=self.idempotency_ttl,
-                retry_delay=self.idempotency_outage_delay,
-                max_retry_delay=self.idempotency_outage_delay,
-                busy_delay=self.idempotency_busy_delay,
-                max_worker_losses=self.idempotency_max_worker_losses,
-            )
-            guard = self.__dict__["_idempotency_guard"] = _TaskGuard(self._run_delivery, options)
-        return guard
+        options = consumer_options(
+            self.idempotency_name or self.name,
+            key=None,
+            max_attempts=_NO_ATTEMPT_LIMIT,
+            lease=self.idempotency_lease,
+            ttl=self.idempotency_ttl,
+            retry_delay=self.idempotency_outage_delay,
+            max_retry_delay=self.idempotency_outage_delay,
+            busy_delay=self.idempotency_busy_delay,
+            max_worker_losses=self.idempotency_max_worker_losses,
+        )
+        return _TaskGuard(self._run_delivery, options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -320,7 +307,8 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         if outcome is ConsumerOutcome.HANDLED or outcome is ConsumerOutcome.DUPLICATE:
             if outcome is ConsumerOutcome.DUPLICATE:
                 log.info("task %s[%s]: already done; stored result returned", self.name, request.id)
-            return _decode_result(result.stored)
+            stored = result.stored  # (a plain consumer's record has no body: None)
+            return json.loads(stored.body) if stored is not None and stored.body else None
         if result.error is not None and outcome is not ConsumerOutcome.FENCED:
             # The task raised (its writes were rolled back, its claim ended):
             # Celery's retry policy decides what comes next.

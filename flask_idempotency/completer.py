@@ -39,22 +39,21 @@ import collections
 import enum
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from flask import Flask, Response
+from flask import Flask
 from werkzeug.exceptions import HTTPException
 
-from . import engine, flow, keys
+from . import flow, keys
+from .engine import Attempt, bound
 from .errors import LeaseLost, StoreUnavailable
 from .recovery import Abandoned, recoverable_routes
-from .route_options import RouteOptions
-from .state import RequestState, app_state, bound, unbind
+from .route_options import RecoverFunc
+from .state import app_state
 from .store.base import LeaseHold, LeaseLostError, StoreUnavailableError, Taken
 from .store.errors import store_failure
 from .store.heartbeat import Heartbeat
-from .store.request import PostgresRequest
 
 log = logging.getLogger("flask_idempotency.recovery")
 
@@ -162,7 +161,6 @@ class Recoverer:
         taken = self.store.take_over(cutoff, self.batch_size, self.lease)
         for item in taken:
             self.state.keeper.hold(LeaseHold(item.record_key, item.token, self.lease))
-            self.state.metrics.inc("abandoned")
         return taken
 
     def recover(self, taken: Taken) -> RecoveryOutcome:
@@ -176,114 +174,87 @@ class Recoverer:
             outcome = RecoveryOutcome.DEFERRED
         finally:
             self.state.keeper.drop(taken.record_key, taken.token)
-        self.state.metrics.inc(_METRIC[outcome])
         return outcome
 
     def _recover(self, taken: Taken, label: str) -> RecoveryOutcome:
-        phases = dict(taken.phases)  # the request's own, which phase() adds to
         try:
-            attempt = Abandoned.from_payload(
+            abandoned = Abandoned.from_payload(
                 taken.recovery, taken.record_key, dict(taken.phases), taken.abandoned_seconds
             )
         except ValueError as exc:
             log.error("idempotency recover: key %s: %s; handed back", label, exc)
             return self._hand_back(taken, RecoveryOutcome.SKIPPED)
-        options = self.routes.get(attempt.endpoint)
+        options = self.routes.get(abandoned.endpoint)
         if options is None or options.recover is None:
             log.error(
                 "idempotency recover: key %s: endpoint %r declares no recover= in this app; "
                 "handed back",
                 label,
-                attempt.endpoint,
+                abandoned.endpoint,
             )
             return self._hand_back(taken, RecoveryOutcome.SKIPPED)
-        tx = self.store.begin()
-        tx.has_progress = bool(phases)
-        try:
-            with self._bound(attempt, options, taken, tx, phases) as ctx:
-                try:
-                    value = options.recover(attempt)
-                    response = None if value is None else self.app.make_response(value)
-                except LeaseLost:
-                    engine.roll_back(ctx)
-                    return RecoveryOutcome.FENCED
-                except (StoreUnavailable, StoreUnavailableError) as exc:
-                    level, what = store_failure(exc)
-                    log.log(level, "idempotency recover: key %s: %s: %s", label, what, exc)
-                    engine.roll_back(ctx)
-                    return self._hand_back(taken, RecoveryOutcome.DEFERRED)
-                except HTTPException as exc:
-                    # Raised as the view would have (a 400 for a body it refuses): a 4xx
-                    # means the request was never acted on; a 5xx, that it cannot tell.
-                    engine.roll_back(ctx)
-                    if exc.code is not None and exc.code < 500:
-                        return self._release(taken)
-                    return self._hand_back(taken, RecoveryOutcome.DEFERRED)
-                except Exception as exc:
-                    log.warning(
-                        "idempotency recover: key %s: recover=%s raised %s; handed back",
-                        label,
-                        getattr(options.recover, "__qualname__", "?"),
-                        type(exc).__name__,
-                    )
-                    engine.roll_back(ctx)
-                    return self._hand_back(taken, RecoveryOutcome.DEFERRED)
-                finally:
-                    unbind()  # our after_request must not settle it
-                if response is None:
-                    engine.roll_back(ctx)
-                    return self._release(taken)
-                response = self.app.process_response(response)
-                return self._settle(ctx, taken, label, response)
-        finally:
-            tx.close()
-
-    @contextmanager
-    def _bound(
-        self,
-        attempt: Abandoned,
-        options: RouteOptions,
-        taken: Taken,
-        tx: PostgresRequest,
-        phases: dict[str, Any],
-    ) -> Iterator[RequestState]:
-        """A fresh app context and the rebuilt request, with the record bound on ``g``
-        as the view had it: ``connection()``, ``emit()`` and ``phase()`` work."""
         route = self.state.options_for(options)
-        with self.app.app_context(), self.app.request_context(attempt.environ()):
-            ctx = RequestState(self.state, taken.record_key, taken.fingerprint, route)
-            ctx.tx, ctx.token, ctx.phases = tx, taken.token, phases
-            with bound(ctx):  # unbound after: the teardown must not release it
-                engine.join_session(ctx)
-                try:
-                    yield ctx
-                finally:
-                    engine.leave_session(ctx)
+        # A fresh app context and the rebuilt request, the record held as the view
+        # held it: connection(), emit() and phase() work.
+        with self.app.app_context(), self.app.request_context(abandoned.environ()):
+            with Attempt(self.state, taken.record_key, taken.fingerprint, route) as attempt:
+                attempt.adopt(taken.token, dict(taken.phases))  # phase() adds to them
+                outcome = self._run(attempt, abandoned, options.recover, label)
+        # Closed: what the recovery did not complete is rolled back.
+        if outcome is RecoveryOutcome.RELEASED:
+            return self._release(taken)
+        if outcome is RecoveryOutcome.DEFERRED:
+            return self._hand_back(taken)
+        return outcome
 
-    def _settle(
-        self, ctx: RequestState, taken: Taken, label: str, response: Response
+    def _run(
+        self, attempt: Attempt, abandoned: Abandoned, recover: RecoverFunc, label: str
     ) -> RecoveryOutcome:
-        assert ctx.tx is not None
-        tx = ctx.tx
+        """Run ``recover`` with the attempt bound, and complete the record with its
+        answer; ``RELEASED`` and ``DEFERRED`` are the caller's to do once the
+        attempt is closed."""
+        with bound(attempt):  # unbound after: our after_request must not settle it
+            try:
+                value = recover(abandoned)
+                response = None if value is None else self.app.make_response(value)
+            except LeaseLost:
+                return RecoveryOutcome.FENCED
+            except (StoreUnavailable, StoreUnavailableError) as exc:
+                level, what = store_failure(exc)
+                log.log(level, "idempotency recover: key %s: %s: %s", label, what, exc)
+                return RecoveryOutcome.DEFERRED
+            except HTTPException as exc:
+                # Raised as the view would have (a 400 for a body it refuses): a 4xx
+                # means the request was never acted on; a 5xx, that it cannot tell.
+                if exc.code is not None and exc.code < 500:
+                    return RecoveryOutcome.RELEASED
+                return RecoveryOutcome.DEFERRED
+            except Exception as exc:
+                log.warning(
+                    "idempotency recover: key %s: recover=%s raised %s; handed back",
+                    label,
+                    getattr(recover, "__qualname__", "?"),
+                    type(exc).__name__,
+                )
+                return RecoveryOutcome.DEFERRED
+        if response is None:
+            return RecoveryOutcome.RELEASED
+        response = self.app.process_response(response)
         try:
-            settlement, stored = engine.settle(ctx, response)
+            settlement, stored = attempt.capture(response)
         finally:
             response.close()
         if stored is not None and stored.status >= 500:
             # The recovery could not tell (its processor is down, say). A client would
             # retry a 5xx; here the next pass does, so the record is handed back.
-            engine.roll_back(ctx)
-            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
+            return RecoveryOutcome.DEFERRED
         if settlement is flow.Settlement.RELEASE:
-            engine.roll_back(ctx)
-            return self._release(taken)
+            return RecoveryOutcome.RELEASED
         if settlement is flow.Settlement.TOO_LARGE or stored is None:
             log.error("idempotency recover: key %s: answer too large to store; handed back", label)
-            engine.roll_back(ctx)
-            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
+            return RecoveryOutcome.DEFERRED
         try:
-            tx.count_recovered()
-            engine.complete(ctx, stored, release_on_failure=False)
+            attempt.complete(stored, recovered=True)
         except LeaseLostError:
             log.warning("idempotency recover: key %s: taken over meanwhile; rolled back", label)
             return RecoveryOutcome.FENCED
@@ -291,8 +262,7 @@ class Recoverer:
             raise
         except Exception as exc:  # the session's flush failed: as if recover= raised
             log.warning("idempotency recover: key %s: flush failed: %s", label, type(exc).__name__)
-            engine.roll_back(ctx)
-            return self._hand_back(taken, RecoveryOutcome.DEFERRED)
+            return RecoveryOutcome.DEFERRED
         log.info("idempotency recover: key %s recovered (%d)", label, stored.status)
         return RecoveryOutcome.RECOVERED
 
@@ -312,16 +282,6 @@ class Recoverer:
         if not self.store.hand_back(taken.record_key, taken.token):
             return RecoveryOutcome.FENCED
         return outcome
-
-
-#: Per-process counters (``idempotency.metrics()``) of the completer's outcomes.
-_METRIC = {
-    RecoveryOutcome.RECOVERED: "recovered",
-    RecoveryOutcome.RELEASED: "recovery_released",
-    RecoveryOutcome.DEFERRED: "recovery_deferred",
-    RecoveryOutcome.FENCED: "recovery_fenced",
-    RecoveryOutcome.SKIPPED: "recovery_skipped",
-}
 
 
 def describe(outcomes: Mapping[RecoveryOutcome, int]) -> str:

@@ -10,7 +10,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar, overload
 
 from flask import Response
 from flask.typing import ResponseReturnValue
@@ -23,6 +23,22 @@ from .settings import FingerprintFunc, ScopeFunc, ShouldStore
 P = ParamSpec("P")
 R = TypeVar("R", bound=ResponseReturnValue)
 View = Callable[P, R]
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    class RouteKeywords(TypedDict, total=False):
+        """A route's options (``route_options``), each ``None`` for the app's setting."""
+
+        ttl: float | timedelta | None
+        lease: float | timedelta | None
+        wait: float | timedelta | None
+        should_store: ShouldStore | None
+        scope_func: ScopeFunc | None
+        fingerprint_func: FingerprintFunc | None
+        oversize: str | None
+        recover: RecoverFunc | None
+        recovery_data: RecoveryDataFunc | None
 
 
 class RouteDecorator:
@@ -37,48 +53,14 @@ class RouteDecorator:
 
     @overload
     def __call__(
-        self,
-        *,
-        ttl: float | timedelta | None = None,
-        lease: float | timedelta | None = None,
-        wait: float | timedelta | None = None,
-        should_store: ShouldStore | None = None,
-        scope_func: ScopeFunc | None = None,
-        fingerprint_func: FingerprintFunc | None = None,
-        oversize: str | None = None,
-        recover: RecoverFunc | None = None,
-        recovery_data: RecoveryDataFunc | None = None,
+        self, **options: Unpack[RouteKeywords]
     ) -> Callable[[View[P, R]], View[P, R | Response]]: ...
 
-    def __call__(
-        self,
-        view: Any = None,
-        *,
-        ttl: float | timedelta | None = None,
-        lease: float | timedelta | None = None,
-        wait: float | timedelta | None = None,
-        should_store: ShouldStore | None = None,
-        scope_func: ScopeFunc | None = None,
-        fingerprint_func: FingerprintFunc | None = None,
-        oversize: str | None = None,
-        recover: RecoverFunc | None = None,
-        recovery_data: RecoveryDataFunc | None = None,
-    ) -> Any:
+    def __call__(self, view: Any = None, **keywords: Unpack[RouteKeywords]) -> Any:
         """``recover=f`` (row mode): how ``flask idempotency recover`` finishes an
         attempt whose holder died; ``recovery_data=g``: JSON it needs beyond the
         request, kept with the claim. See ``recovery.py``."""
-        options = route_options(
-            self._required,
-            ttl=ttl,
-            lease=lease,
-            wait=wait,
-            should_store=should_store,
-            scope_func=scope_func,
-            fingerprint_func=fingerprint_func,
-            oversize=oversize,
-            recover=recover,
-            recovery_data=recovery_data,
-        )
+        options = route_options(self._required, **keywords)
 
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
             # Flask's ensure_sync asks this on every call; a view's kind never changes.

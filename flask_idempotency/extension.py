@@ -22,13 +22,14 @@ from flask.cli import AppGroup, FlaskGroup
 from . import keys, phases, runtime
 from .cache import cache_from_settings
 from .decorators import RouteDecorator
+from .engine import current_attempt
 from .errors import StoreUnavailable, from_store_error
 from .events import outbox
 from .lease import LeaseKeeper
 from .metrics import Metrics
 from .profiles import PROFILES
 from .settings import settings_from_config
-from .state import AppState, app_state, find_app_state, install, request_state
+from .state import AppState, app_state, find_app_state, install
 from .store.base import StoreUnavailableError
 from .store.errors import is_unreachable
 from .store.memory import MemoryStore, is_memory_url
@@ -184,15 +185,13 @@ class Idempotency:
         transaction is settled by the same rule: committed when the answer is one
         that would have been stored, rolled back otherwise (or if the view raised).
         """
-        ctx = request_state()
-        if ctx is None or (ctx.record_key is not None and ctx.token is None):
+        attempt = current_attempt()
+        if attempt is None or (attempt.record_key is not None and attempt.token is None):
             raise RuntimeError("idempotency.connection() needs a running idempotent request")
-        if ctx.tx is None:
-            ctx.tx = ctx.state.store.begin()
         try:
-            return ctx.tx.connection()
+            return attempt.connection()
         except StoreUnavailableError as exc:
-            raise StoreUnavailable(retry_after=ctx.state.settings.retry_after) from exc
+            raise StoreUnavailable(retry_after=attempt.app_state.settings.retry_after) from exc
 
     @contextmanager
     def transaction(self) -> Iterator[Any]:
@@ -222,9 +221,9 @@ class Idempotency:
             conn, scope = bound
         else:
             conn = self.connection()  # RuntimeError outside an idempotent request
-            ctx = request_state()
-            assert ctx is not None
-            scope = outbox.request_scope(ctx.record_key, ctx.token, ctx.route.ttl)
+            attempt = current_attempt()
+            assert attempt is not None
+            scope = outbox.request_scope(attempt.record_key, attempt.token, attempt.route.ttl)
         return scope.emit(conn, event_type, payload, ttl)
 
     def consumer(
@@ -268,10 +267,10 @@ class Idempotency:
     def derived_key(self, purpose: str) -> str:
         """A key for a downstream call, derived from this request's record (scope
         and client key): a retry after a crash sends the same key again."""
-        ctx = request_state()
-        if ctx is None or ctx.record_key is None:
+        attempt = current_attempt()
+        if attempt is None or attempt.record_key is None:
             raise RuntimeError("derived_key() needs a running idempotent request with a key")
-        return keys.derived_key(ctx.record_key, purpose)
+        return keys.derived_key(attempt.record_key, purpose)
 
     def phase(self, name: str, step: Callable[[], T]) -> Any:
         """Run ``step`` as the recovery point ``name`` and return what it recorded.
@@ -283,7 +282,7 @@ class Idempotency:
         phase an earlier attempt committed, ``step`` does not run again: its
         recorded value is returned. See ``phases.py``.
         """
-        return phases.run(request_state(), name, step)
+        return phases.run(current_attempt(), name, step)
 
     def metrics(self) -> dict[str, int]:
         """This process's counters (see ``metrics.NAMES``) for the current app."""

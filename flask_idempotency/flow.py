@@ -1,8 +1,9 @@
-"""The phases of an idempotent request, as pure functions over plain values.
+"""An attempt's two decisions, as pure functions over plain values.
 
 ``decide`` turns what the store (or cache) said into one of a closed set of
-outcomes; ``settle`` decides what happens to a finished attempt. Neither does
-I/O nor touches Flask, so every row of the contract's table is testable alone.
+outcomes; ``settlement`` says how a finished attempt is to be settled. Neither
+does I/O nor touches Flask, so every row of the contract's table is testable
+alone.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Settlement(enum.Enum):
     TOO_LARGE = "too_large"  # would have been stored but cannot be: roll back, 500
 
 
-def settle(status: int, body_size: int, should_store: ShouldStore, max_body: int) -> Settlement:
+def settlement(status: int, body_size: int, should_store: ShouldStore, max_body: int) -> Settlement:
     if not should_store(status):
         return Settlement.RELEASE
     if body_size > max_body:

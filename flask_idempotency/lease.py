@@ -34,17 +34,11 @@ class LeaseKeeper:
         self._holds: dict[tuple[bytes, int], LeaseHold] = {}
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
-        #: Renewal rounds run by the thread so far (successful or not).
-        self.rounds = 0
         #: Told how each round went once the app is observed (``observability.attach``).
         self.observer: Observer | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self._interval > 0
-
     def hold(self, hold: LeaseHold) -> None:
-        if not self.enabled:
+        if self._interval <= 0:
             return
         with self._lock:
             if self._pid != os.getpid():
@@ -91,7 +85,6 @@ class LeaseKeeper:
         self._store.prepare_renewals()
         while not stopped.wait(self._interval):
             self.renew_now()
-            self.rounds += 1
 
     def stop(self) -> None:
         self._stopped.set()

@@ -44,12 +44,12 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import engine, keys
+from . import keys
 from .errors import LeaseLost, from_store_error
 from .store.base import LeaseLostError, StoreUnavailableError
 
 if TYPE_CHECKING:
-    from .state import RequestState
+    from .engine import Attempt
 
 log = logging.getLogger("flask_idempotency.recovery")
 
@@ -59,39 +59,36 @@ T = TypeVar("T")
 MAX_NAME_LENGTH = 100
 
 
-def run(ctx: RequestState | None, name: str, step: Callable[[], T]) -> Any:
+def run(attempt: Attempt | None, name: str, step: Callable[[], T]) -> Any:
     """``idempotency.phase(name, step)``: the recorded value of the phase ``name``,
     running ``step`` and committing it unless an earlier attempt already did."""
-    if ctx is None or (ctx.record_key is not None and ctx.token is None):
+    if attempt is None or (attempt.record_key is not None and attempt.token is None):
         raise RuntimeError("idempotency.phase() needs a running idempotent request")
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH:
         raise ValueError(f"a phase name is a str of 1 to {MAX_NAME_LENGTH} characters")
-    if name in ctx.phases_reached:
+    if name in attempt.phases_reached:
         raise RuntimeError(f"phase {name!r} reached twice in one request: names must be unique")
-    ctx.phases_reached.add(name)
-    if name in ctx.phases:
-        return ctx.phases[name]  # committed by an attempt that was taken over
+    attempt.phases_reached.add(name)
+    if name in attempt.phases:
+        return attempt.phases[name]  # committed by an attempt that was taken over
     value = step()
     try:
         encoded = json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"phase {name!r} must return JSON: {exc}") from None
     recorded = json.loads(encoded)  # a resumed attempt sees exactly the same value
-    tx = ctx.tx
-    if ctx.record_key is not None and ctx.token is not None and tx is not None:
-        if tx.holds_lease:  # row mode; in transaction mode all commits at the end
-            retry_after = ctx.state.settings.retry_after
-            engine.checkpoint_session(ctx)  # the session's writes commit with the phase
-            try:
-                tx.checkpoint(ctx.record_key, ctx.token, name, encoded)
-            except LeaseLostError as exc:
-                log.warning(
-                    "idempotency: lease lost for key %s at phase %r; rolled back",
-                    keys.log_key(ctx.record_key),
-                    name,
-                )
-                raise LeaseLost(retry_after=retry_after) from exc
-            except StoreUnavailableError as exc:
-                raise from_store_error(exc, retry_after) from exc
-    ctx.phases[name] = recorded
+    retry_after = attempt.app_state.settings.retry_after
+    try:
+        attempt.checkpoint(name, encoded)
+    except LeaseLostError as exc:
+        assert attempt.record_key is not None  # (only a claimed record's phase is fenced)
+        log.warning(
+            "idempotency: lease lost for key %s at phase %r; rolled back",
+            keys.log_key(attempt.record_key),
+            name,
+        )
+        raise LeaseLost(retry_after=retry_after) from exc
+    except StoreUnavailableError as exc:
+        raise from_store_error(exc, retry_after) from exc
+    attempt.phases[name] = recorded
     return recorded

@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import inspect
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -135,16 +136,14 @@ class Abandoned:
 
 
 def route_options_of(view: Any) -> RouteOptions | None:
-    """The options of an idempotent view (``None`` for any other view)."""
-    fn: Any = view
-    for _ in range(32):  # decorators above ours normally copy the attribute outwards
-        options = getattr(fn, ROUTE_ATTRIBUTE, None)
-        if isinstance(options, RouteOptions):
-            return options
-        if fn is None:
-            return None
-        fn = getattr(fn, "__wrapped__", None)
-    return None
+    """The options of an idempotent view (``None`` for any other view): on the
+    decorator's wrapper, or under decorators above it that did not copy them."""
+    try:
+        fn = inspect.unwrap(view, stop=lambda f: hasattr(f, ROUTE_ATTRIBUTE))
+    except ValueError:  # a cycle of __wrapped__
+        return None
+    options = getattr(fn, ROUTE_ATTRIBUTE, None)
+    return options if isinstance(options, RouteOptions) else None
 
 
 def recoverable_routes(app: Flask) -> dict[str, RouteOptions]:

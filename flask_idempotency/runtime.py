@@ -2,23 +2,24 @@
 
 The decorator (``decorators.py``) hands each call to :func:`run_view`, which
 claims the key (after the route's own authentication, which wraps it) and runs
-the view; :func:`after_request` completes or releases the claim once the final
-response exists; :func:`teardown_request` guarantees the claim and the
-connection are given back even when something raised. The claim, completion
-and release themselves are the engine's (``engine.py``), which the completer
-and the consumer guard share.
+the view; :func:`after_request` settles the claim (completes or releases it)
+once the final response exists; :func:`teardown_request` closes the attempt,
+so the claim and the connection are given back even when something raised.
+The attempt itself (claim, completion, release, close) is the engine's
+:class:`~.engine.Attempt`, which the completer and the consumer guard share.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from flask import Flask, Request, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from . import engine, flow, keys, recovery, responses
+from . import flow, keys, recovery, responses
+from .engine import Attempt, bind, current_attempt, unbind
 from .errors import (
     DRILL_FAIL_AFTER_VIEW,
     DRILL_HEADER,
@@ -37,7 +38,7 @@ from .errors import (
 from .observer import RequestOutcome, Stage
 from .request_body import read_body
 from .route_options import RouteOptions
-from .state import RequestState, app_state, bind, request_state, unbind
+from .state import app_state
 from .store.base import (
     Existing,
     LeaseLostError,
@@ -56,11 +57,13 @@ def run_view(
     # Resolved once: every attribute read through Flask's proxies costs a context
     # lookup, and the hot path reads the request about twenty times.
     app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
-    if request_state() is not None:
+    # The view as WSGI calls it: an ``async def`` one through Flask's ``ensure_sync``.
+    call = app.ensure_sync(view) if is_async else view
+    if current_attempt() is not None:
         # A decorated view called from another one: the outer view's claim (or its
         # keyless transaction) already covers this request. A second claim of the
         # same key would answer 409 inside the outer view and wedge its record.
-        return _sync(app, view, is_async)(*args, **kwargs)
+        return call(*args, **kwargs)
     started = time.monotonic()
     req: Request = request._get_current_object()  # type: ignore[attr-defined]
     state = app_state(app)
@@ -79,9 +82,9 @@ def run_view(
             state.metrics.refused(exc)
             raise
     if key is None:
-        keyless = RequestState(state, None, b"", route, started=started, request=req)
+        keyless = Attempt(state, None, b"", route, started=started, request=req)
         bind(keyless)
-        return _call_view(keyless, app, _sync(app, view, is_async), args, kwargs)
+        return _call_view(keyless, call, args, kwargs)
 
     try:
         scope = keys.resolve_scope(route.scope_func, req)
@@ -91,10 +94,10 @@ def run_view(
         raise
     record_key = keys.record_key(scope, key)
     fingerprint = route.fingerprint_func(req)
-    ctx = RequestState(
+    attempt = Attempt(
         state, record_key, fingerprint, route, started=started, scope=scope, request=req
     )
-    bind(ctx)
+    bind(attempt)
 
     cached = state.cache.get(record_key)
     if cached is not None:
@@ -102,68 +105,65 @@ def run_view(
             Existing("completed", cached.fingerprint, cached.response), fingerprint
         )
         if isinstance(decision, flow.Replay):
-            return _replay(ctx, decision.response, "cache")
-        record(ctx, RequestOutcome.KEY_REUSED, status=KeyReused.code)
-        raise KeyReused()
+            return _replay(attempt, decision.response, "cache")
+        assert isinstance(decision, flow.Reject)  # (a cached record is never claimed)
+        _refuse(attempt, decision, None)
 
     try:
         state.migrate_if_pending()
         state.store.schema.ensure()  # a missing schema: refused before any claim
     except StoreUnavailableError as exc:
-        raise refusal(ctx, exc) from exc
+        raise refusal(attempt, exc) from exc
+    kept = None
     if options.recover is not None and settings.claim_mode == "row":
-        ctx.recovery = recovery.capture(options, req)  # written by the claim itself
-    ctx.tx = state.store.begin()
-    decision, existing = _claim(ctx, route.lease)
+        kept = recovery.capture(options, req)  # written by the claim itself
+    decision, existing = _claim(attempt, kept)
     deadline = time.monotonic() + route.wait
     while _in_progress(decision) and time.monotonic() < deadline:
         # A waiting duplicate gives its connection back while it sleeps: otherwise
         # a few waiters would hold every pool slot the running requests need.
-        ctx.tx.close()
+        attempt.close()
         time.sleep(settings.wait_poll_interval)
-        decision, existing = _claim(ctx, route.lease)
+        decision, existing = _claim(attempt, kept)
 
     if isinstance(decision, flow.Proceed):
-        state.metrics.claimed(ctx)
-        return _call_view(ctx, app, _sync(app, view, is_async), args, kwargs)
+        state.metrics.claimed(attempt)
+        return _call_view(attempt, call, args, kwargs)
 
-    ctx.tx.close()
+    attempt.close()
     if isinstance(decision, flow.Replay):
         if existing is not None and existing.ttl_remaining:
             # PostgreSQL measured the remainder when the claim ran; the copy must
             # not outlive the record by the time that has passed since.
-            remaining = existing.ttl_remaining - (time.monotonic() - ctx.claimed_at)
+            remaining = existing.ttl_remaining - (time.monotonic() - attempt.claimed_at)
             state.cache.put(record_key, fingerprint, decision.response, remaining)
-        return _replay(ctx, decision.response, "store")
+        return _replay(attempt, decision.response, "store")
+    _refuse(attempt, decision, existing)
+
+
+def _refuse(attempt: Attempt, decision: flow.Reject, existing: Existing | None) -> NoReturn:
+    """A ``422`` (another request under the key) or a ``409`` (still running)."""
     if decision.reason is flow.Rejection.KEY_REUSED:
-        record(ctx, RequestOutcome.KEY_REUSED, status=KeyReused.code)
+        record(attempt, RequestOutcome.KEY_REUSED, status=KeyReused.code)
         raise KeyReused()
-    record(ctx, RequestOutcome.IN_PROGRESS, status=RequestInProgress.code)
+    record(attempt, RequestOutcome.IN_PROGRESS, status=RequestInProgress.code)
     lease_remaining = existing.lease_remaining if existing is not None else None
-    raise RequestInProgress(
-        retry_after=flow.retry_after_seconds(settings.retry_after, lease_remaining)
-    )
+    retry_after = attempt.app_state.settings.retry_after
+    raise RequestInProgress(retry_after=flow.retry_after_seconds(retry_after, lease_remaining))
 
 
-def _sync(app: Flask, view: Callable[..., Any], is_async: bool) -> Callable[..., Any]:
-    """The view as WSGI calls it: an ``async def`` one through Flask's ``ensure_sync``."""
-    return app.ensure_sync(view) if is_async else view
-
-
-def _call_view(
-    ctx: RequestState, app: Flask, view: Callable[..., Any], args: Any, kwargs: Any
-) -> Any:
+def _call_view(attempt: Attempt, view: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     """Run the (synchronous) view; if it raises, nothing of the attempt is kept,
     whatever answer an error handler later renders for the exception (a 402
     included)."""
     try:
         return view(*args, **kwargs)
     except BaseException as exc:
-        ctx.raised = True
-        ctx.own_error = isinstance(exc, IdempotencyError)
+        attempt.raised = True
+        attempt.own_error = isinstance(exc, IdempotencyError)
         if isinstance(exc, (StoreUnavailable, LeaseLost, SchemaMissing)):  # else released
-            record(ctx, RequestOutcome(exc.error_code), status=exc.code, error=exc.__cause__)
-        release(ctx)
+            record(attempt, RequestOutcome(exc.error_code), status=exc.code, error=exc.__cause__)
+        _release(attempt)
         raise
 
 
@@ -171,19 +171,19 @@ def _in_progress(decision: flow.Decision) -> bool:
     return isinstance(decision, flow.Reject) and decision.reason is flow.Rejection.IN_PROGRESS
 
 
-def _claim(ctx: RequestState, lease: float) -> tuple[flow.Decision, Existing | None]:
-    """The engine's claim, timed for the observers; a store failure is a 503."""
-    with ctx.state.metrics.stage(Stage.CLAIM, ctx) as stage:
+def _claim(attempt: Attempt, kept: bytes | None) -> tuple[flow.Decision, Existing | None]:
+    """The attempt's claim, timed for the observers; a store failure is a 503."""
+    with attempt.app_state.metrics.stage(Stage.CLAIM, attempt) as stage:
         try:
-            decision, existing = engine.claim(ctx, lease, recovery=ctx.recovery)
+            decision, existing = attempt.claim(recovery=kept)
         except StoreUnavailableError as exc:
-            raise refusal(ctx, exc, observed=True) from exc
-        stage.decided(decision, ctx.takeover)
+            raise refusal(attempt, exc, observed=True) from exc
+        stage.decided(decision, attempt.takeover)
     return decision, existing
 
 
 def refusal(
-    ctx: RequestState, exc: StoreUnavailableError, *, observed: bool = False
+    attempt: Attempt, exc: StoreUnavailableError, *, observed: bool = False
 ) -> IdempotencyError:
     """The answer to a store failure, recorded: a schema the database lacks is
     named (``500 schema_missing`` / ``schema_outdated``, no ``Retry-After``),
@@ -191,14 +191,14 @@ def refusal(
     statement of this request found the schema wanting (rather than the store's
     guard, which knew already), so the store refuses the next ones from memory."""
     if observed and isinstance(exc, SchemaMismatchError):
-        ctx.state.store.schema.failed(exc)
-    error = from_store_error(exc, ctx.state.settings.retry_after)
-    record(ctx, RequestOutcome(error.error_code), status=error.code, error=exc)
+        attempt.app_state.store.schema.failed(exc)
+    error = from_store_error(exc, attempt.app_state.settings.retry_after)
+    record(attempt, RequestOutcome(error.error_code), status=error.code, error=exc)
     return error
 
 
 def record(
-    ctx: RequestState,
+    attempt: Attempt,
     outcome: RequestOutcome,
     *,
     source: str | None = None,
@@ -208,141 +208,144 @@ def record(
     """The request's outcome, once: counted, logged and handed to the app's
     observers (``metrics.Metrics.record``). Later calls for the same request (a
     release after a failed completion, the teardown's fallback) are ignored."""
-    if ctx.outcome is None:
-        ctx.outcome = outcome
-        ctx.state.metrics.record(ctx, outcome, source=source, status=status, error=error)
+    if attempt.outcome is None:
+        attempt.outcome = outcome
+        attempt.app_state.metrics.record(
+            attempt, outcome, source=source, status=status, error=error
+        )
 
 
-def _pass_through(ctx: RequestState) -> RequestOutcome:
+def _pass_through(attempt: Attempt) -> RequestOutcome:
     """A request with no key to deduplicate: a safe method, or an optional route
     called without one."""
     return RequestOutcome.SAFE_METHOD if request.method in SAFE_METHODS else RequestOutcome.KEYLESS
 
 
-def _replay(ctx: RequestState, stored: StoredResponse, source: str) -> Response:
+def _replay(attempt: Attempt, stored: StoredResponse, source: str) -> Response:
     """Answer with a stored response, from the cache or the store."""
-    ctx.replayed = True
-    with ctx.state.metrics.stage(Stage.REPLAY, ctx, source=source, status=stored.status):
+    attempt.settled = True
+    with attempt.app_state.metrics.stage(
+        Stage.REPLAY, attempt, source=source, status=stored.status
+    ):
         answer = responses.replay(
-            stored, ctx.state.profile, ctx.state.settings.not_replayed_headers
+            stored, attempt.app_state.profile, attempt.app_state.settings.not_replayed_headers
         )
-    record(ctx, RequestOutcome.REPLAYED, source=source, status=stored.status)
+    record(attempt, RequestOutcome.REPLAYED, source=source, status=stored.status)
     return answer
 
 
-def release(ctx: RequestState, status: int | None = None) -> None:
-    """Roll back the attempt and give up its claim (or its keyless transaction) once."""
-    if engine.release(ctx):
-        record(ctx, RequestOutcome.RELEASED, status=status)
+def _release(attempt: Attempt, status: int | None = None) -> None:
+    """Release the attempt (``Attempt.release``), its outcome recorded."""
+    if attempt.release():
+        record(attempt, RequestOutcome.RELEASED, status=status)
 
 
 def after_request(response: Response) -> Response:
     """Settle the attempt once its final response exists (complete or release)."""
-    ctx = request_state()
-    if ctx is None:
+    attempt = current_attempt()
+    if attempt is None:
         return response
-    response = _settle(ctx, response)
-    settings = ctx.state.settings
-    if ctx.record_key is not None and ctx.state.profile.stripe and ctx.request is not None:
+    response = _settle(attempt, response)
+    settings = attempt.app_state.settings
+    if (
+        attempt.record_key is not None
+        and attempt.app_state.profile.stripe
+        and attempt.request is not None
+    ):
         responses.echo_key(
-            response, settings.key_header, ctx.request.environ[settings.key_environ_name]
+            response, settings.key_header, attempt.request.environ[settings.key_environ_name]
         )
     if settings.expose_headers:
         responses.expose_headers(response, settings.key_header)
     return response
 
 
-def _settle(ctx: RequestState, response: Response) -> Response:
-    if ctx.replayed:
-        # A replay carries its header from responses.replay(); nothing to settle.
-        return response
-    if ctx.raised:
+def _settle(attempt: Attempt, response: Response) -> Response:
+    if attempt.raised:
         # Released when the view raised; this is an error handler's rendering.
-        if not ctx.own_error and ctx.record_key is not None:
-            responses.mark_original(response, ctx.state.profile)
+        if not attempt.own_error and attempt.record_key is not None:
+            responses.mark_original(response, attempt.app_state.profile)
         return response
-    if ctx.settled:
+    if attempt.settled:
+        # (A replay carries its header from responses.replay().)
         return response
-    if ctx.record_key is None:
-        response = _settle_keyless(ctx, response)
-        record(ctx, _pass_through(ctx), status=response.status_code)
+    if attempt.record_key is None:
+        response = _settle_keyless(attempt, response)
+        record(attempt, _pass_through(attempt), status=response.status_code)
         return response
-    if ctx.token is None or ctx.tx is None:
+    if attempt.token is None:
         return response
-    return _settle_claim(ctx, response)
+    return _settle_claim(attempt, response)
 
 
-def _settle_keyless(ctx: RequestState, response: Response) -> Response:
+def _settle_keyless(attempt: Attempt, response: Response) -> Response:
     """An ``optional`` route without a key: commit the view's transaction when its
     answer is one that would have been stored, roll it back otherwise."""
-    ctx.settled = True
-    if ctx.tx is None:
-        return response
-    if not ctx.route.should_store(response.status_code):
-        ctx.tx.rollback()
+    if not attempt.route.should_store(response.status_code):
+        attempt.release()
         return response
     try:
-        ctx.tx.commit()
+        attempt.commit()
     except StoreUnavailableError as exc:
-        record(ctx, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
-        return _error_response(StoreUnavailable(retry_after=ctx.state.settings.retry_after))
+        record(attempt, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
+        return _error_response(StoreUnavailable(retry_after=attempt.app_state.settings.retry_after))
     return response
 
 
-def _settle_claim(ctx: RequestState, response: Response) -> Response:
-    state = ctx.state
-    assert ctx.record_key is not None
+def _settle_claim(attempt: Attempt, response: Response) -> Response:
+    state = attempt.app_state
+    assert attempt.record_key is not None
     try:
-        settlement, stored = engine.settle(ctx, response)
+        settlement, stored = attempt.capture(response)
     except BaseException:
         # A streamed body that failed while it was read: as if the view raised.
-        ctx.raised = True
-        release(ctx)
+        attempt.raised = True
+        _release(attempt)
         raise
     if settlement is flow.Settlement.RELEASE:
-        release(ctx, status=response.status_code)
-        if not ctx.own_error:
+        _release(attempt, status=response.status_code)
+        if not attempt.own_error:
             responses.mark_original(response, state.profile)
         return response
     if settlement is flow.Settlement.TOO_LARGE or stored is None:
-        return _not_stored(ctx, response, ResponseTooLarge())
+        return _not_stored(attempt, response, ResponseTooLarge())
     stored = responses.answer_only(stored, state.settings.not_replayed_headers)
     if not responses.storable(stored):
-        return _not_stored(ctx, response, ResponseNotStorable())
+        return _not_stored(attempt, response, ResponseNotStorable())
 
-    if state.settings.testing_drills and _drilled(ctx):
-        release(ctx, status=DrillFailure.code)
+    if state.settings.testing_drills and _drilled(attempt):
+        _release(attempt, status=DrillFailure.code)
         return _error_response(DrillFailure(retry_after=state.settings.retry_after))
     try:
-        with state.metrics.stage(Stage.COMPLETE, ctx, status=stored.status):
-            engine.complete(ctx, stored)
+        with state.metrics.stage(Stage.COMPLETE, attempt, status=stored.status):
+            attempt.complete(stored)
     except LeaseLostError:
-        record(ctx, RequestOutcome.LEASE_LOST, status=LeaseLost.code)
+        record(attempt, RequestOutcome.LEASE_LOST, status=LeaseLost.code)
         return _error_response(LeaseLost(retry_after=state.settings.retry_after))
     except StoreUnavailableError as exc:
         if refused_as_data(exc):  # what storable() did not foresee: rolled back, released
-            return _not_stored(ctx, response, ResponseNotStorable())
-        return _error_response(refusal(ctx, exc, observed=True))
-    record(ctx, RequestOutcome.EXECUTED, status=stored.status)
+            return _not_stored(attempt, response, ResponseNotStorable())
+        return _error_response(refusal(attempt, exc, observed=True))
+    record(attempt, RequestOutcome.EXECUTED, status=stored.status)
     if state.settings.redis_fill == "completion":
         # (With "replay" the copy is made by the first replay from PostgreSQL.)
-        remaining = ctx.route.ttl - (time.monotonic() - ctx.claimed_at)
-        state.cache.put(ctx.record_key, ctx.fingerprint, stored, remaining)
+        remaining = attempt.route.ttl - (time.monotonic() - attempt.claimed_at)
+        state.cache.put(attempt.record_key, attempt.fingerprint, stored, remaining)
     responses.mark_original(response, state.profile)
     return response
 
 
-def _not_stored(ctx: RequestState, response: Response, error: IdempotencyError) -> Response:
+def _not_stored(attempt: Attempt, response: Response, error: IdempotencyError) -> Response:
     """An answer that would be stored but cannot be: rolled back, released, a 500."""
-    record(ctx, RequestOutcome.NOT_STORABLE, status=error.code, error=error)
-    engine.release(ctx)
+    record(attempt, RequestOutcome.NOT_STORABLE, status=error.code, error=error)
+    attempt.release()
     response.close()
     return _error_response(error)
 
 
-def _drilled(ctx: RequestState) -> bool:
+def _drilled(attempt: Attempt) -> bool:
     """``assert_idempotent``'s atomicity drill asks this attempt to fail now."""
-    req = ctx.request
+    req = attempt.request
     return req is not None and req.headers.get(DRILL_HEADER) == DRILL_FAIL_AFTER_VIEW
 
 
@@ -353,15 +356,16 @@ def _error_response(error: IdempotencyError) -> Response:
 
 def teardown_request(exc: BaseException | None) -> None:
     """Give the claim and the connection back, whatever raised on the way."""
-    ctx = unbind()
-    if ctx is None:
+    attempt = unbind()
+    if attempt is None:
         return
-    if ctx.tx is not None:
-        if not ctx.settled and not ctx.replayed:
-            # The view raised past Flask's handlers, or after_request failed: nothing
-            # is stored, so a retry runs again.
-            release(ctx)
-        engine.leave_session(ctx)
-        ctx.tx.close()
-    if ctx.outcome is None:  # a pass-through, or an answer no settlement saw
-        record(ctx, _pass_through(ctx) if ctx.record_key is None else RequestOutcome.RELEASED)
+    if not attempt.settled:
+        # The view raised past Flask's handlers, or after_request failed: nothing
+        # is stored, so a retry runs again.
+        _release(attempt)
+    attempt.close()
+    if attempt.outcome is None:  # a pass-through, or an answer no settlement saw
+        record(
+            attempt,
+            _pass_through(attempt) if attempt.record_key is None else RequestOutcome.RELEASED,
+        )

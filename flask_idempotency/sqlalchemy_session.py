@@ -46,8 +46,8 @@ from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, SessionTransaction
 
+from .engine import current_attempt
 from .errors import StoreUnavailable
-from .state import request_state
 from .store.base import StoreUnavailableError
 from .store.pool import EnginePool
 
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import RootTransaction
     from sqlalchemy.orm import scoped_session
 
-    from .state import RequestState
     from .store.request import PostgresRequest
 
 log = logging.getLogger("flask_idempotency.sqlalchemy")
@@ -75,13 +74,13 @@ class Joined:
     outer: RootTransaction
     #: The attempt's handle: the server's transaction opens (``BEGIN``) when the
     #: session first begins one, so a view that never uses it pays nothing for it.
-    attempt: PostgresRequest
+    handle: PostgresRequest
 
     def open(self) -> None:
         """The attempt's transaction, opened if it is not yet (a ``503`` if
         PostgreSQL cannot be reached)."""
         try:
-            self.attempt.connection()
+            self.handle.connection()
         except StoreUnavailableError as exc:
             raise StoreUnavailable() from exc
 
@@ -120,13 +119,12 @@ class SessionJoin:
                 )
             session.rollback()
 
-    def join(self, ctx: RequestState) -> None:
-        """Make ``db.session`` work on ``ctx``'s transaction until the attempt ends:
-        the session's next transaction opens the attempt's (``BEGIN``) if it is not
+    def join(self, handle: PostgresRequest) -> Joined:
+        """Make ``db.session`` work on the attempt's transaction until it ends: the
+        session's next transaction opens the attempt's (``BEGIN``) if it is not
         open yet, and begins with a savepoint in it."""
-        tx: PostgresRequest = ctx.tx  # type: ignore[assignment]  # (init_app refuses memory://)
         try:
-            raw = tx.held()  # (the claim's connection: nothing is sent)
+            raw = handle.held()  # (the claim's connection: nothing is sent)
         except StoreUnavailableError as exc:
             raise StoreUnavailable() from exc
         connection = self.pool.sqlalchemy_connection(raw)
@@ -136,35 +134,25 @@ class SessionJoin:
         # In autocommit mode this sends nothing: SQLAlchemy's view of the attempt's
         # transaction, which the server opens with the session's first one.
         outer = connection.begin()
-        joined = Joined(session, connection, outer, tx)
+        joined = Joined(session, connection, outer, handle)
         session.info[JOINED] = joined
-        ctx.session = joined
+        return joined
 
-    def keep(self, ctx: RequestState) -> None:
-        """The answer will be stored: flush what the session holds into the attempt's
-        transaction, so the one ``COMMIT`` keeps it. Raises what the flush raises."""
-        joined = ctx.session
-        if isinstance(joined, Joined) and joined.session.in_transaction():
+    def keep(self, joined: Joined) -> None:
+        """The answer will be stored, or a recovery point commits (and the session's
+        next transaction is a new savepoint): flush what the session holds into the
+        attempt's transaction, so its ``COMMIT`` keeps it. Raises what the flush
+        raises."""
+        if joined.session.in_transaction():
             joined.session.commit()
 
-    def discard(self, ctx: RequestState) -> None:
+    def discard(self, joined: Joined) -> None:
         """The attempt is released: end the session's transaction without keeping it
         (the extension's own rollback follows)."""
-        joined = ctx.session
-        if isinstance(joined, Joined):
-            _rollback_quietly(joined.session)
+        _rollback_quietly(joined.session)
 
-    def before_checkpoint(self, ctx: RequestState) -> None:
-        """A recovery point commits the attempt's transaction and opens the next: the
-        session's writes go with it, and its next transaction is a new savepoint."""
-        self.keep(ctx)
-
-    def leave(self, ctx: RequestState) -> None:
+    def leave(self, joined: Joined) -> None:
         """Give the session back as it was; the attempt's transaction is over."""
-        joined = ctx.session
-        if not isinstance(joined, Joined):
-            return
-        ctx.session = None
         _rollback_quietly(joined.session)
         joined.session.info.pop(JOINED, None)
         if joined.outer.is_active:
@@ -186,8 +174,12 @@ def _hand_connection(session: Session, transaction: SessionTransaction) -> None:
         joined.open()
         session.connection(bind_arguments={"bind": joined.connection})
         return
-    ctx = request_state() if has_app_context() else None
-    if ctx is not None and isinstance(ctx.session, Joined) and ctx.session.session is not session:
+    attempt = current_attempt() if has_app_context() else None
+    if (
+        attempt is not None
+        and isinstance(attempt.session, Joined)
+        and attempt.session.session is not session
+    ):
         raise RuntimeError(
             "a second session on the idempotent request's database (after "
             "db.session.remove() in the view?): its writes would not commit with "

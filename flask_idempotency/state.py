@@ -1,10 +1,10 @@
-"""The one owner of the extension's per-app and per-request state.
+"""The one owner of the extension's per-app state.
 
 Flask's extension guide keeps an extension's per-app state in
 ``app.extensions[name]`` and its per-request state in ``g._name``. This module
-is the only place that spells either: everything else (the request runtime,
+is the only place that spells the first: everything else (the request runtime,
 the completer, the consumer guard, the CLI, the observers) asks it through
-:func:`app_state`, :func:`request_state` and :func:`bound`.
+:func:`app_state`. The per-request state is the attempt (``engine.py``).
 
 It imports nothing of the package at run time beyond the route options, so
 any layer can use it without an import circle; the parts it holds are typed
@@ -16,11 +16,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from flask import Flask, Request, current_app, g, has_app_context
+from flask import Flask, current_app, has_app_context
 
 from .profiles import STRIPE, Profile
 from .route_options import EffectiveOptions, RouteOptions, check_against_settings
@@ -29,35 +27,30 @@ if TYPE_CHECKING:
     from .cache.base import ResponseCache
     from .lease import LeaseKeeper
     from .metrics import Metrics
-    from .observer import RequestOutcome
     from .settings import Settings
-    from .store.memory import MemoryRequest, MemoryStore
+    from .store.memory import MemoryStore
     from .store.postgres import PostgresStore
-    from .store.request import PostgresRequest
 
 log = logging.getLogger("flask_idempotency")
 
 #: ``app.extensions`` key of the extension's :class:`AppState`.
 EXTENSION_KEY = "idempotency"
-#: ``g`` attribute of the current request's :class:`RequestState`.
-_REQUEST_ATTRIBUTE = "_idempotency"
 
 
 class SessionHooks(Protocol):
     """How an application's SQLAlchemy session joins each attempt
-    (``sqlalchemy_session.SessionJoin``, with ``db=``); the engine calls these."""
+    (``sqlalchemy_session.SessionJoin``, with ``db=``); the attempt calls these
+    with its store handle, then with what ``join`` returned."""
 
     def detach(self) -> None: ...
 
-    def join(self, ctx: RequestState) -> None: ...
+    def join(self, handle: Any) -> Any: ...
 
-    def keep(self, ctx: RequestState) -> None: ...
+    def keep(self, joined: Any) -> None: ...
 
-    def discard(self, ctx: RequestState) -> None: ...
+    def discard(self, joined: Any) -> None: ...
 
-    def before_checkpoint(self, ctx: RequestState) -> None: ...
-
-    def leave(self, ctx: RequestState) -> None: ...
+    def leave(self, joined: Any) -> None: ...
 
 
 @dataclasses.dataclass
@@ -119,52 +112,6 @@ class AppState:
         self.store.close()
 
 
-@dataclasses.dataclass
-class RequestState:
-    """What one attempt holds between its claim and its settlement: a view's
-    request, a recovered record (the completer) or a consumed message."""
-
-    state: AppState
-    #: ``None`` on an ``optional`` route called without a key: the view still gets
-    #: ``connection()``, in an ordinary transaction settled by the same rule.
-    record_key: bytes | None
-    fingerprint: bytes
-    route: EffectiveOptions
-    tx: PostgresRequest | MemoryRequest | None = None
-    token: int | None = None
-    claimed_at: float = 0.0
-    replayed: bool = False
-    settled: bool = False
-    #: The view raised (whatever an error handler then rendered): released, never stored.
-    raised: bool = False
-    #: The view ended in one of our errors (the store failed under it, its lease was
-    #: lost): released like any unstored answer, but without ``Idempotent-Replayed``.
-    own_error: bool = False
-    # -- recovery (``recovery.py``, ``phases.py``)
-    #: What a ``recover=`` route keeps with its claim, for the completer.
-    recovery: bytes | None = None
-    #: Recovery points committed for this record, by name: an earlier holder's
-    #: (taken over) and this attempt's own.
-    phases: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: Names of the phases this attempt has reached (each may appear once).
-    phases_reached: set[str] = dataclasses.field(default_factory=set)
-    # -- for the outcome's metrics, log event and spans (``metrics.RequestFacts``)
-    #: ``time.monotonic()`` when the decorator took the request.
-    started: float = 0.0
-    #: The request itself (not Flask's proxy: reading it costs nothing).
-    request: Request | None = None
-    #: The principal the key belongs to (only its digest is ever reported).
-    scope: str | None = None
-    #: The claim took over a record whose holder's lease had expired.
-    takeover: bool = False
-    claim_seconds: float = 0.0
-    completion_seconds: float | None = None
-    #: Set once: every request reports exactly one outcome (``runtime.record``).
-    outcome: RequestOutcome | None = None
-    #: The attempt's joined ``db.session`` (``sqlalchemy_session.Joined``), with ``db=``.
-    session: Any = None
-
-
 def app_state(app: Flask | None = None) -> AppState:
     """The extension's state on ``app`` (the current app when not given)."""
     extensions = (app if app is not None else current_app).extensions
@@ -203,31 +150,3 @@ def install(app: Flask, state: AppState) -> None:
     if EXTENSION_KEY in app.extensions:
         raise RuntimeError("flask_idempotency is already initialised on this app")
     app.extensions[EXTENSION_KEY] = state
-
-
-def request_state() -> RequestState | None:
-    """The attempt bound to the current context, if any."""
-    ctx: RequestState | None = g.get(_REQUEST_ATTRIBUTE)
-    return ctx
-
-
-def bind(ctx: RequestState) -> None:
-    """Make ``ctx`` the current context's attempt (``connection()``, ``emit()``...)."""
-    setattr(g, _REQUEST_ATTRIBUTE, ctx)
-
-
-def unbind() -> RequestState | None:
-    """Take the current context's attempt off it (so no hook settles it again)."""
-    ctx: RequestState | None = g.pop(_REQUEST_ATTRIBUTE, None)
-    return ctx
-
-
-@contextmanager
-def bound(ctx: RequestState) -> Iterator[RequestState]:
-    """``ctx`` bound for the block, and unbound after it whatever happens: the
-    request's own hooks must not settle an attempt its caller settles."""
-    bind(ctx)
-    try:
-        yield ctx
-    finally:
-        unbind()

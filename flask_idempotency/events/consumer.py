@@ -50,9 +50,10 @@ from typing import Any
 
 from flask import Flask, current_app
 
-from .. import engine, flow, keys
+from .. import flow, keys
+from ..engine import Attempt, bound
 from ..route_options import route_options
-from ..state import RequestState, app_state, bound
+from ..state import app_state
 from ..store.base import LeaseLostError, StoredResponse, StoreUnavailableError
 from ..store.errors import store_failure
 from .messages import (
@@ -150,25 +151,15 @@ class ConsumerGuard:
     def _handle(self, app: Flask, delivery: Delivery, dead_letter: DeadLetter | None) -> Result:
         state = app_state(app)
         route = state.options_for(
-            route_options(
-                True,
-                ttl=self.options.ttl,
-                lease=self.options.lease,
-                wait=None,
-                should_store=None,
-                scope_func=None,
-                fingerprint_func=None,
-            )
+            route_options(True, ttl=self.options.ttl, lease=self.options.lease)
         )
         key = self.options.key(delivery)
         if not key:
             return self._dead_letter_unclaimed(delivery, "missing_key", dead_letter)
         record_key = self.record_key(str(key))
-        ctx = RequestState(state, record_key, delivery.fingerprint(), route)
-        ctx.tx = tx = state.store.begin()
-        try:
+        with Attempt(state, record_key, delivery.fingerprint(), route) as attempt:
             try:
-                decision, existing = engine.claim(ctx, route.lease)
+                decision, existing = attempt.claim()
             except StoreUnavailableError as exc:
                 level, what = store_failure(exc)
                 log.log(level, "consumer %s: %s: %s", self.options.name, what, exc)
@@ -186,25 +177,22 @@ class ConsumerGuard:
                 lease_left = (existing.lease_remaining if existing is not None else None) or 0.0
                 delay = min(self.options.busy_delay, max(lease_left, 0.0)) or 0.05
                 return Result(ConsumerOutcome.BUSY, delay, "in_progress")
-            token = decision.token
-            if ctx.takeover and self.options.max_worker_losses is not None:
-                given_up = self._given_up(state, ctx, delivery, record_key, token, dead_letter)
+            if attempt.takeover and self.options.max_worker_losses is not None:
+                given_up = self._given_up(attempt, delivery, dead_letter)
                 if given_up is not None:
                     return given_up
-            with bound(ctx):
+            with bound(attempt):
                 try:
                     stored = self.stored_record(self.handler(delivery))
                 except Exception as exc:
-                    state.keeper.drop(record_key, token)
-                    engine.roll_back(ctx)
-                    return self._failed(state, tx, delivery, record_key, token, exc, dead_letter)
+                    return self._failed(attempt, delivery, exc, dead_letter)
                 except BaseException:
                     # Interrupted (SIGTERM, Ctrl-C): not an attempt; the message is
                     # redelivered when the channel closes.
-                    engine.release(ctx)
+                    attempt.release()
                     raise
             try:
-                engine.complete(ctx, stored)
+                attempt.complete(stored)
             except LeaseLostError:
                 log.warning(
                     "consumer %s: lease lost for key %s; this attempt was rolled back",
@@ -216,29 +204,22 @@ class ConsumerGuard:
                 log.warning("consumer %s: completion failed: %s", self.options.name, exc)
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
             except Exception as exc:  # the session's flush failed: the handler's failure
-                state.keeper.drop(record_key, token)
-                engine.roll_back(ctx)
-                return self._failed(state, tx, delivery, record_key, token, exc, dead_letter)
+                return self._failed(attempt, delivery, exc, dead_letter)
             return Result(ConsumerOutcome.HANDLED, stored=stored)
-        finally:
-            engine.leave_session(ctx)
-            tx.close()
 
     def _failed(
-        self,
-        state: Any,
-        tx: Any,
-        delivery: Delivery,
-        record_key: bytes,
-        token: int,
-        exc: Exception,
-        dead_letter: DeadLetter | None,
+        self, attempt: Attempt, delivery: Delivery, exc: Exception, dead_letter: DeadLetter | None
     ) -> Result:
+        """The handler failed: the attempt is rolled back and closed, and the failure
+        counted (retried later, or dead-lettered at ``max_attempts``)."""
+        record_key, token = attempt.record_key, attempt.token
+        store = attempt.app_state.postgres_store("counting a message's attempts")
+        assert record_key is not None and token is not None
+        attempt.close()  # before another connection: the pool may be small
         name = self.options.name
         error = f"{type(exc).__name__}: {exc}"[:500]
-        tx.close()
         try:
-            earlier = state.store.attempts_so_far(record_key, token)
+            earlier = store.attempts_so_far(record_key, token)
         except StoreUnavailableError:
             # The lease will lapse; the next delivery takes it over and counts it.
             return Result(
@@ -260,9 +241,9 @@ class ConsumerGuard:
                 ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
             )
             if self._copy_to_dead_letter(dead_letter, delivery, result, error):
-                self._best_effort(state.store.release_claim, record_key, token)
+                self._best_effort(store.release_claim, record_key, token)
                 return result
-        self._best_effort(state.store.fail_attempt, record_key, token)
+        self._best_effort(store.fail_attempt, record_key, token)
         return Result(
             ConsumerOutcome.RETRY,
             self.retry_delay(attempts),
@@ -272,13 +253,7 @@ class ConsumerGuard:
         )
 
     def _given_up(
-        self,
-        state: Any,
-        ctx: RequestState,
-        delivery: Delivery,
-        record_key: bytes,
-        token: int,
-        dead_letter: DeadLetter | None,
+        self, attempt: Attempt, delivery: Delivery, dead_letter: DeadLetter | None
     ) -> Result | None:
         """On a takeover: ``None`` to run the handler, or the result of giving the
         message up because ``max_worker_losses`` earlier attempts were lost (copied
@@ -292,30 +267,27 @@ class ConsumerGuard:
         runs: the next takeover checks again.
         """
         limit = self.options.max_worker_losses
-        assert limit is not None
+        record_key, token = attempt.record_key, attempt.token
+        store = attempt.app_state.postgres_store("counting a message's attempts")
+        assert limit is not None and record_key is not None and token is not None
         try:
-            takeovers = state.store.attempts_so_far(record_key, token)
+            takeovers = store.attempts_so_far(record_key, token)
         except StoreUnavailableError as exc:
             log.warning("consumer %s: could not count earlier attempts: %s", self.options.name, exc)
             return None
         if takeovers is None:  # taken over again already: not ours to run
-            state.keeper.drop(record_key, token)
-            engine.roll_back(ctx)
             return Result(ConsumerOutcome.FENCED, reason="lease_lost")
         losses = self.worker_losses(takeovers, delivery)
         if losses < limit:
             return None
-        state.keeper.drop(record_key, token)
-        engine.roll_back(ctx)
-        if ctx.tx is not None:
-            ctx.tx.close()  # before another connection: the pool may be small
+        attempt.close()  # before another connection: the pool may be small
         result = Result(ConsumerOutcome.DEAD_LETTERED, reason="worker_lost", attempts=losses)
         reason = f"{losses} attempts lost without finishing"
         if not self._copy_to_dead_letter(dead_letter, delivery, result, reason):
             # Still claimed: the lease lapses and the next delivery decides again.
             return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "worker_lost")
         try:
-            state.store.release_claim(record_key, token)
+            store.release_claim(record_key, token)
         except StoreUnavailableError as exc:
             # The lease lapses; the next delivery takes over and decides again.
             log.warning("consumer %s: could not release a lost message: %s", self.options.name, exc)

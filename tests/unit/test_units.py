@@ -19,7 +19,7 @@ from flask_idempotency.flow import (
     Settlement,
     decide,
     retry_after_seconds,
-    settle,
+    settlement,
 )
 from flask_idempotency.keys import derived_key, log_key, parse_key, record_key, require_key
 from flask_idempotency.settings import default_should_store, settings_from_config
@@ -105,9 +105,9 @@ def test_default_stored_statuses() -> None:
     not_stored = [400, 401, 403, 404, 408, 409, 422, 425, 429, 500, 502, 503]
     assert all(default_should_store(s) for s in stored)
     assert not any(default_should_store(s) for s in not_stored)
-    assert settle(201, 10, default_should_store, 5) is Settlement.TOO_LARGE
-    assert settle(201, 10, default_should_store, 10) is Settlement.COMPLETE
-    assert settle(500, 10, default_should_store, 10) is Settlement.RELEASE
+    assert settlement(201, 10, default_should_store, 5) is Settlement.TOO_LARGE
+    assert settlement(201, 10, default_should_store, 10) is Settlement.COMPLETE
+    assert settlement(500, 10, default_should_store, 10) is Settlement.RELEASE
 
 
 def test_retry_after_bounds() -> None:
