@@ -180,7 +180,7 @@ def test_the_transaction_modes_record_follows_the_same_ttl_rule(
     if view_seconds:
         cur.execute("SELECT pg_sleep(%s)", (view_seconds,))
     cur.execute(
-        "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s)",
+        STATEMENTS.insert_completed.removesuffix(";\nCOMMIT"),
         (key, b"fp", ttl, *ANSWER),
     )
     [remaining] = cur.fetchone()
