@@ -397,6 +397,7 @@ def measure(subject: Subject, server: Any, mon: Monitor, proxy: Proxy, args: Any
         while n[0] < args.requests or time.monotonic() < until:
             post(client, f"key-{n[0]}")
             n[0] += 1
+    time.sleep(args.stats_wait)  # a backend reports its table counters when idle
     with counted(mon, proxy, db, replay) as m:
         for i in range(args.requests):
             post(client, f"key-{i}")
@@ -409,6 +410,11 @@ def measure(subject: Subject, server: Any, mon: Monitor, proxy: Proxy, args: Any
                 f" FROM {subject.records}"
             )
             stored = cur.fetchone()[0]
+            cur.execute(
+                "SELECT n_tup_hot_upd, n_tup_upd FROM pg_stat_user_tables WHERE relname = %s",
+                (subject.records,),
+            )
+            first["hot_updates"], first["updates"] = map(float, cur.fetchone())
     close()
     setup.close()
     return {"subject": subject.name, "first": first, "replay": replay, "stored_per_key": stored}
@@ -450,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
         "--checkpoint-timeout", type=int, default=0, help="seconds; 0: no checkpoint while counting"
     )
     parser.add_argument("--sustain", type=float, default=0.0, help="seconds of first requests, at least")
+    parser.add_argument("--stats-wait", type=float, default=1.0, help=argparse.SUPPRESS)
     parser.add_argument("--bindir", default=None, help="PostgreSQL binaries (15 or later)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     args = parser.parse_args(argv)
