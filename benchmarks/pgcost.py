@@ -47,7 +47,7 @@ from typing import Any
 
 import psycopg2
 import psycopg2.extensions
-from flask import Flask, Response, g, jsonify, request
+from flask import Flask, Response, jsonify, request
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BODY = {"amount": 1500, "currency": "eur", "customer": "cus_8Xb3fQ2k"}
@@ -76,16 +76,31 @@ class Proxy:
         self.target = ("127.0.0.1", target_port)
         self.lock = threading.Lock()
         self.round_trips = 0
+        self.sockets: list[socket.socket] = []
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
+    def close(self) -> None:
+        """Stop listening and close every connection it passed on."""
+        with self.lock:
+            sockets, self.sockets = self.sockets, []
+        for sock in (self.sock, *sockets):
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
     def _accept(self) -> None:
         while True:
-            client, _ = self.sock.accept()
-            server = socket.create_connection(self.target)
+            try:
+                client, _ = self.sock.accept()
+                server = socket.create_connection(self.target)
+            except OSError:
+                return  # closed
+            with self.lock:
+                self.sockets += [client, server]
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
@@ -112,6 +127,13 @@ class Proxy:
                             self.round_trips += 1
         with suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
+
+
+def one(cur: Any) -> Any:
+    """The row a statement that always returns one returned."""
+    row = cur.fetchone()
+    assert row is not None
+    return row
 
 
 def digest(*parts: str | bytes) -> bytes:
@@ -156,7 +178,7 @@ def _bare(dsn: str) -> tuple[Flask, Callable[[], None]]:
         body = request.get_json()
         with conn.cursor() as cur:
             cur.execute(INSERT_CHARGE, (body["amount"], body["currency"], body["customer"]))
-            (charge_id,) = cur.fetchone()
+            (charge_id,) = one(cur)
         conn.commit()
         return jsonify(id=charge_id, **body), 201
 
@@ -174,11 +196,13 @@ def _floor(one_row: bool) -> Callable[[str], tuple[Flask, Callable[[], None]]]:
         @app.post("/charges")
         def create() -> Any:
             auth = request.headers.get("Authorization", "")
-            key = digest(hashlib.sha256(auth.encode()).hexdigest(), request.headers["Idempotency-Key"])
+            scope = hashlib.sha256(auth.encode()).hexdigest()
+            key = digest(scope, request.headers["Idempotency-Key"])
             fingerprint = digest(request.method, request.path, request.get_data())
             cur = conn.cursor()
             cur.execute(
-                "SELECT fingerprint, status, headers, body FROM floor_records WHERE record_key = %s",
+                "SELECT fingerprint, status, headers, body FROM floor_records"
+                " WHERE record_key = %s",
                 (key,),
             )
             row = cur.fetchone()
@@ -197,7 +221,7 @@ def _floor(one_row: bool) -> Callable[[str], tuple[Flask, Callable[[], None]]]:
             cur.execute("BEGIN")
             body = request.get_json()
             cur.execute(INSERT_CHARGE, (body["amount"], body["currency"], body["customer"]))
-            response = jsonify(id=cur.fetchone()[0], **body)
+            response = jsonify(id=one(cur)[0], **body)
             response.status_code = 201
             headers = json.dumps([["Content-Type", response.content_type]])
             if one_row:
@@ -234,7 +258,7 @@ def _product(claim_mode: str) -> Callable[[str], tuple[Flask, Callable[[], None]
             body = request.get_json()
             with idempotency.connection().cursor() as cur:
                 cur.execute(INSERT_CHARGE, (body["amount"], body["currency"], body["customer"]))
-                (charge_id,) = cur.fetchone()
+                (charge_id,) = one(cur)
             return jsonify(id=charge_id, **body), 201
 
         return app, lambda: app_state(app).close()
@@ -261,7 +285,9 @@ def _sqla(with_idempotency: bool) -> Callable[[str], tuple[Flask, Callable[[], N
             customer: Mapped[str]
 
         app = Flask("sqla")
-        app.config["SQLALCHEMY_DATABASE_URI"] = dsn.replace("postgresql://", "postgresql+psycopg2://")
+        app.config["SQLALCHEMY_DATABASE_URI"] = dsn.replace(
+            "postgresql://", "postgresql+psycopg2://"
+        )
         db.init_app(app)
         decorate: Callable[[Any], Any] = lambda view: view  # noqa: E731
         closers: list[Callable[[], None]] = []
@@ -328,11 +354,15 @@ class Monitor:
                 break
             time.sleep(0.05)
         total = self.rows("SELECT %s::pg_lsn - %s::pg_lsn", (end, start))[0][0]
-        stats = self.rows(
-            'SELECT "resource_manager/record_type", count, combined_size, fpi_size'
-            " FROM pg_get_wal_stats(%s::pg_lsn, %s::pg_lsn, true) WHERE count > 0",
-            (start, end),
-        ) if end != start else []
+        stats = (
+            self.rows(
+                'SELECT "resource_manager/record_type", count, combined_size, fpi_size'
+                " FROM pg_get_wal_stats(%s::pg_lsn, %s::pg_lsn, true) WHERE count > 0",
+                (start, end),
+            )
+            if end != start
+            else []
+        )
         standby = [r for r in stats if r[0].startswith("Standby")]
         return {
             "wal_bytes": float(total) - sum(r[2] for r in standby),
@@ -343,7 +373,7 @@ class Monitor:
         }
 
     def statements(self, db: str) -> dict[str, float]:
-        (top, nested, set_local), = self.rows(
+        ((top, nested, set_local),) = self.rows(
             "SELECT coalesce(sum(calls) FILTER (WHERE toplevel), 0),"
             " coalesce(sum(calls) FILTER (WHERE NOT toplevel), 0),"
             " coalesce(sum(calls) FILTER (WHERE toplevel AND query ILIKE 'SET LOCAL%%'), 0)"
@@ -409,12 +439,12 @@ def measure(subject: Subject, server: Any, mon: Monitor, proxy: Proxy, args: Any
                 f"SELECT pg_total_relation_size('{subject.records}')::float8 / count(*)"
                 f" FROM {subject.records}"
             )
-            stored = cur.fetchone()[0]
+            stored = one(cur)[0]
             cur.execute(
                 "SELECT n_tup_hot_upd, n_tup_upd FROM pg_stat_user_tables WHERE relname = %s",
                 (subject.records,),
             )
-            first["hot_updates"], first["updates"] = map(float, cur.fetchone())
+            first["hot_updates"], first["updates"] = map(float, one(cur))
     close()
     setup.close()
     return {"subject": subject.name, "first": first, "replay": replay, "stored_per_key": stored}
@@ -439,7 +469,11 @@ def report(results: list[dict[str, Any]]) -> str:
             f"| {p['wal_bytes']:.0f}, {p['statements']:.2f}, {p['round_trips']:.2f} | {stored} |"
         )
     goals = []
-    for mode, floor in (("prod-row", "floor-row"), ("prod-tx", "floor1"), ("prod-sqla", "floor-row")):
+    for mode, floor in (
+        ("prod-row", "floor-row"),
+        ("prod-tx", "floor1"),
+        ("prod-sqla", "floor-row"),
+    ):
         if mode in by and floor in by and bare is not None:
             ours = by[mode]["first"]["wal_bytes"] - bare
             theirs = by[floor]["first"]["wal_bytes"] - bare
@@ -455,7 +489,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--checkpoint-timeout", type=int, default=0, help="seconds; 0: no checkpoint while counting"
     )
-    parser.add_argument("--sustain", type=float, default=0.0, help="seconds of first requests, at least")
+    parser.add_argument(
+        "--sustain", type=float, default=0.0, help="seconds of first requests, at least"
+    )
     parser.add_argument("--stats-wait", type=float, default=1.0, help=argparse.SUPPRESS)
     parser.add_argument("--bindir", default=None, help="PostgreSQL binaries (15 or later)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
@@ -484,6 +520,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
         mon.conn.close()
+        proxy.close()
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
     print(report(results))
