@@ -197,14 +197,3 @@ BEGIN
 END
 $$;
 
--- Pages filled to the brim again (0009 left a fifth of each empty for the
--- completions of the records claimed there). Counted (python -m
--- benchmarks.pgcost, 1,000 first requests): at fillfactor 80 a key held 677
--- bytes of table and indexes in row mode and 499 in transaction mode, against
--- 357 and 350 for a hand-written layer; at 100, 439 and 432, and 1,097 of 1,100
--- row-mode completions were still heap-only updates: the completion's own read
--- of the page prunes the dead claim versions of the records completed before it
--- (a page is pruned once less than a tenth of it is free), which makes the room.
--- The transaction mode never updates its records, so the empty fifth was never
--- used there. Applies to pages filled from now on; nothing is rewritten.
-ALTER TABLE idempotency_records SET (fillfactor = 100);
