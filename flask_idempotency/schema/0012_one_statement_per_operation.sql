@@ -24,8 +24,10 @@
 -- was just read and is absent, and a speculative insertion writes one more WAL
 -- record (its confirmation) for a race that almost never happens. When it does
 -- (another claimer inserted the key since the read) the INSERT fails with
--- unique_violation inside its own block, and no row is returned: the caller asks
--- again, as it did when the ON CONFLICT branch found the row changed. Taking over
+-- unique_violation (SQLSTATE 23505) and the caller asks again, as it did when
+-- the ON CONFLICT branch found the row changed. (Catching it in the function
+-- would need an exception block: a subtransaction on every first request, whose
+-- id the commit record then carries, 12 bytes of WAL.) Taking over
 -- an expired record or a dead holder of the same request is an UPDATE of the row
 -- read, guarded by the same conditions, so a concurrent takeover or purge makes
 -- it update nothing, and the caller asks again.
@@ -66,16 +68,14 @@ DECLARE
 BEGIN
     SELECT * INTO e FROM idempotency_records WHERE record_key = p_record_key;
     IF NOT FOUND THEN
-        BEGIN
-            INSERT INTO idempotency_records
-                (record_key, fingerprint, state, lock_token, lease_expires_at, created_at,
-                 expires_at, recovery)
-            VALUES (p_record_key, p_fingerprint, 'processing', p_token,
-                    now() + make_interval(secs => p_lease), now(),
-                    now() + make_interval(secs => p_ttl), p_recovery);
-        EXCEPTION WHEN unique_violation THEN
-            RETURN;  -- claimed by another since the read: the caller asks again
-        END;
+        -- (claimed by another since the read: unique_violation, and the caller
+        -- asks again; no block of its own, whose subtransaction would log its id)
+        INSERT INTO idempotency_records
+            (record_key, fingerprint, state, lock_token, lease_expires_at, created_at,
+             expires_at, recovery)
+        VALUES (p_record_key, p_fingerprint, 'processing', p_token,
+                now() + make_interval(secs => p_lease), now(),
+                now() + make_interval(secs => p_ttl), p_recovery);
         RETURN QUERY SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb,
                             NULL::bytea, NULL::float8, NULL::float8, NULL::jsonb, false;
         RETURN;

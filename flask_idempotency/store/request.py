@@ -36,6 +36,7 @@ from .schema import mismatch
 from .sql import (
     BUMP_RECOVERY_TOTAL,
     LEASE_LOST_SQLSTATE,
+    UNIQUE_VIOLATION,
     Statements,
     advisory_locks,
     headers_from_json,
@@ -385,7 +386,12 @@ class RowClaimRequest(PostgresRequest):
             "recovery": recovery,
         }
         for _ in range(6):
-            row = self._run_claim(self._store.statements.claim, params)
+            try:
+                row = self._run_claim(self._store.statements.claim, params)
+            except StoreUnavailableError as exc:
+                if sqlstate(exc.__cause__ or exc) != UNIQUE_VIOLATION:
+                    raise
+                continue  # claimed by another between the claim's read and its INSERT
             if row is None:
                 continue  # the row appeared or vanished concurrently; look again
             if row[0]:

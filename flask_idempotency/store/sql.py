@@ -17,6 +17,9 @@ from typing import Any
 from .base import StoredResponse
 
 LEASE_LOST_SQLSTATE = "IK409"
+#: The row-mode claim's INSERT of a key another claimer inserted since its read
+#: (migration 0012): the claim is asked again.
+UNIQUE_VIOLATION = "23505"
 
 #: Seconds past the statement timeout after which the client stops waiting for any
 #: answer and shuts the connection down (see ``watchdog.py``).
