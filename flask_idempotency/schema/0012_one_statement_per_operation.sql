@@ -64,8 +64,9 @@ DECLARE
         ELSE p_fingerprint
     END;
     e idempotency_records%ROWTYPE;
-    kept_phases jsonb;
 BEGIN
+    -- (the answer is the OUT columns, set by assignments and sent with RETURN
+    -- NEXT: no statement of its own, as a RETURN QUERY would be)
     SELECT * INTO e FROM idempotency_records WHERE record_key = p_record_key;
     IF NOT FOUND THEN
         -- (claimed by another since the read: unique_violation, and the caller
@@ -76,18 +77,25 @@ BEGIN
         VALUES (p_record_key, p_fingerprint, 'processing', p_token,
                 now() + make_interval(secs => p_lease), now(),
                 now() + make_interval(secs => p_ttl), p_recovery);
-        RETURN QUERY SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb,
-                            NULL::bytea, NULL::float8, NULL::float8, NULL::jsonb, false;
+        r_claimed := true;
+        r_takeover := false;
+        RETURN NEXT;
         RETURN;
     END IF;
     IF e.expires_at > now()
        AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
                 AND e.fingerprint IN (p_fingerprint, as_written_before)) THEN
         -- a live record: a replay, a 409 or a 422, decided by the caller
-        RETURN QUERY SELECT false, e.state, e.fingerprint, e.status_code, e.headers, e.body,
-                            extract(epoch FROM e.lease_expires_at - now())::float8,
-                            extract(epoch FROM e.expires_at - now())::float8,
-                            NULL::jsonb, false;
+        r_claimed := false;
+        r_state := e.state;
+        r_fingerprint := e.fingerprint;
+        r_status_code := e.status_code;
+        r_headers := e.headers;
+        r_body := e.body;
+        r_lease_remaining := extract(epoch FROM e.lease_expires_at - now());
+        r_ttl_remaining := extract(epoch FROM e.expires_at - now());
+        r_takeover := false;
+        RETURN NEXT;
         RETURN;
     END IF;
     -- An expired record (a new request), or a dead holder of this one: take it.
@@ -102,11 +110,11 @@ BEGIN
        AND (r.expires_at <= now()
             OR (r.state = 'processing' AND r.lease_expires_at <= now()
                 AND r.fingerprint IN (p_fingerprint, as_written_before)))
-    RETURNING r.phases INTO kept_phases;
+    RETURNING r.phases INTO r_phases;
     IF FOUND THEN
-        RETURN QUERY SELECT true, NULL::text, NULL::bytea, NULL::smallint, NULL::jsonb,
-                            NULL::bytea, NULL::float8, NULL::float8, kept_phases,
-                            e.state = 'processing' AND e.expires_at > now();
+        r_claimed := true;
+        r_takeover := e.state = 'processing' AND e.expires_at > now();
+        RETURN NEXT;
     END IF;
     -- (not found: taken or purged since the read; the caller asks again)
 END
