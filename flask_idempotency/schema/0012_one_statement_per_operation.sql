@@ -67,6 +67,13 @@ DECLARE
 BEGIN
     -- (the answer is the OUT columns, set by assignments and sent with RETURN
     -- NEXT: no statement of its own, as a RETURN QUERY would be)
+    -- A read-only server (a hot standby, default_transaction_read_only) answers
+    -- nothing, a replay included, as 0010's claim, whose INSERT refused to start
+    -- there whether or not it inserted: it may be a standby that is behind.
+    IF current_setting('transaction_read_only')::boolean THEN
+        RAISE EXCEPTION 'cannot claim an idempotency key in a read-only transaction'
+            USING ERRCODE = '25006';  -- read_only_sql_transaction, as a write would raise
+    END IF;
     SELECT * INTO e FROM idempotency_records WHERE record_key = p_record_key;
     IF NOT FOUND THEN
         -- (claimed by another since the read: unique_violation, and the caller
