@@ -57,7 +57,11 @@ DROP FUNCTION IF EXISTS
     idempotency_checkpoint(bytea, bigint, text, jsonb),
     idempotency_claim_in_transaction(bytea, bigint, bigint),
     idempotency_claim_in_transaction_rw(bytea, bigint, bigint),
-    idempotency_insert_completed(bytea, bytea, double precision, smallint, jsonb, bytea);
+    idempotency_insert_completed(bytea, bytea, double precision, smallint, jsonb, bytea),
+    idempotency_claim_v2(bytea, bytea, bigint, double precision, double precision, bytea, text,
+                         boolean),
+    idempotency_complete_v2(bytea, bigint, smallint, jsonb, bytea, text),
+    idempotency_insert_completed_v2(bytea, bytea, double precision, smallint, jsonb, bytea, text);
 DELETE FROM idempotency_schema_migrations WHERE starts_with(name, 'flask_idempotency/');
 """
 

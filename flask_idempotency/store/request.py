@@ -202,7 +202,12 @@ class PostgresRequest:
             key=record_key, fp=fingerprint, token=token, lease=lease, ttl=ttl, recovery=recovery
         )
         for _ in range(6):
-            row = self._send("claim", self._store.statements.claim, params, **CLAIMING)
+            try:
+                row = self._send("claim", self._store.statements.claim, params, **CLAIMING)
+            except StoreUnavailableError as exc:
+                if sqlstate(exc.__cause__ or exc) != sql.UNIQUE_VIOLATION:
+                    raise
+                continue  # claimed by another between the claim's read and its INSERT
             if row is None:
                 continue  # the row appeared or vanished concurrently; look again
             if not row[0]:

@@ -17,13 +17,16 @@ from typing import Any
 from .base import StoredResponse
 
 LEASE_LOST_SQLSTATE = "IK409"
+#: The row-mode claim's INSERT of a key another claimer inserted since its read
+#: (migration 0012): the claim is asked again.
+UNIQUE_VIOLATION = "23505"
 
 #: Seconds past the statement timeout after which the client stops waiting for any
 #: answer and shuts the connection down (see ``watchdog.py``).
 CLIENT_DEADLINE_GRACE = 1.0
 
 #: Row mode's claim: takes the key, or reads the record that holds it, in one
-#: statement (migration 0010 has the statement and why it reads first). The
+#: statement (migration 0012 has the function and why it reads first). The
 #: columns: claimed, state, fingerprint, status, headers, body, seconds of lease
 #: and of TTL left, the recovery points of a dead holder taken over, and whether
 #: a live record was taken over. No row: the record appeared or vanished under
@@ -34,16 +37,24 @@ CLIENT_DEADLINE_GRACE = 1.0
 #: 0.3.0 wrote (32 bytes), against the v0 digest inside our v1 fingerprint (the
 #: function's ``as_written_before``, :func:`written_before` in Python), so a
 #: worker that died on the previous release is taken over by this one.
+#: The store's lock timeout and whether the claim may commit asynchronously are
+#: written into the text (``Statements.build``): the function sets them for
+#: itself, so no ``SET LOCAL`` is parsed and run before it, and a replay is this
+#: one statement.
 CLAIM = (
-    "SELECT * FROM idempotency_claim("
-    "%(key)s, %(fp)s, %(token)s::bigint, %(lease)s::float8, %(ttl)s::float8, %(recovery)s::bytea)"
+    "SELECT * FROM idempotency_claim_v2("
+    "%(key)s, %(fp)s, %(token)s::bigint, %(lease)s::float8, %(ttl)s::float8, %(recovery)s::bytea, "
+    "{lock_timeout}, {async_commit})"
 )
 
 #: Row mode's completion: fills the processing row in with the answer, fenced by
 #: the lock token (``IK409`` once taken over; the transaction then aborts and the
 #: ``COMMIT`` after it never runs). It changes no column an index names, so
-#: PostgreSQL updates the row on its page: a HOT update (migration 0009).
-COMPLETE = "SELECT idempotency_complete(%s, %s::bigint, %s::smallint, %s::jsonb, %s)"
+#: PostgreSQL updates the row on its page: a HOT update (migration 0009). The
+#: lock timeout is an argument, as the claim's (migration 0012).
+COMPLETE = (
+    "SELECT idempotency_complete_v2(%s, %s::bigint, %s::smallint, %s::jsonb, %s, {lock_timeout})"
+)
 
 #: ``claim_mode = "transaction"`` (migrations 0005 and 0007): the business
 #: transaction opens with the claim, under two advisory locks, in one round trip;
@@ -54,12 +65,10 @@ COMPLETE = "SELECT idempotency_complete(%s, %s::bigint, %s::smallint, %s::jsonb,
 #: anything is claimed or any view runs (a 503, and the connection is replaced),
 #: as the row-mode claim's INSERT does.
 CLAIM_IN_TRANSACTION = "BEGIN;\nSELECT * FROM idempotency_claim_in_transaction_rw(%s, %s, %s)"
-INSERT_COMPLETED = "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s)"
-
-#: Prefix for the claim when ``async_claim_commit`` is on. Several statements in
-#: one simple query run as one implicit transaction, so SET LOCAL covers the claim
-#: alone, still in a single round trip; the business transaction commits durably.
-ASYNC_COMMIT_PREFIX = "SET LOCAL synchronous_commit TO off;\n"
+INSERT_COMPLETED = (
+    "SELECT idempotency_insert_completed_v2("
+    "%s, %s, %s, %s::smallint, %s::jsonb, %s, {lock_timeout})"
+)
 
 RELEASE = "DELETE FROM idempotency_records WHERE record_key = %s AND lock_token = %s"
 #: End our lease at once and keep the record (its lock token cleared): the release
@@ -193,21 +202,34 @@ SELECT takeovers FROM idempotency_records
 
 
 def timeouts_sql(statement_timeout: float, lock_timeout: float) -> str:
-    """``SET LOCAL`` of both timeouts, sent first in the same round trip as each of the
-    extension's own statements: they end with that statement's transaction (for
-    the completion, with the view's, after the view's last statement)."""
+    """``SET LOCAL`` of both timeouts, sent first in the same round trip as the
+    extension's maintenance statements (release, lease renewal, recovery points,
+    health checks): they end with that statement's transaction."""
     statement_ms = max(1, round(statement_timeout * 1000))
     lock_ms = max(1, round(lock_timeout * 1000)) if lock_timeout > 0 else 0
     return f"SET LOCAL statement_timeout TO {statement_ms};\nSET LOCAL lock_timeout TO {lock_ms};\n"
 
 
+def lock_timeout_arg(statement_timeout: float, lock_timeout: float) -> str:
+    """The lock timeout the request path's functions set for themselves (0012), as
+    a SQL literal in milliseconds. Those functions run with no statement timeout
+    of their own (it cannot be set for a statement already running): their only
+    server-side wait is for a row lock, so ``lock_timeout = 0`` ("wait up to the
+    statement timeout") passes the statement timeout, and the client's deadline
+    (``watchdog.py``) bounds everything else."""
+    seconds = lock_timeout if lock_timeout > 0 else statement_timeout
+    return f"'{max(1, round(seconds * 1000))}'"
+
+
 @dataclasses.dataclass(frozen=True)
 class Statements:
-    """One text per operation, for one store's settings: each starts with the
-    store's ``SET LOCAL`` timeouts and is sent as one round trip. A request adds
-    only what its transaction's state needs: ``BEGIN`` before a completion or a
-    recovery point when the view opened none (``COMMIT`` must end a transaction),
-    ``ROLLBACK`` before a release when it did."""
+    """One text per operation, for one store's settings, each sent as one round
+    trip. The request path's (claim, completion, completed record) are one call
+    each of a schema function that sets its own lock timeout; the rest start with
+    the store's ``SET LOCAL`` timeouts. A request adds only what its transaction's
+    state needs: ``BEGIN`` before a completion or a recovery point when the view
+    opened none (``COMMIT`` must end a transaction), ``ROLLBACK`` before a release
+    when it did."""
 
     claim: str
     claim_in_transaction: str
@@ -224,11 +246,14 @@ class Statements:
         cls, *, statement_timeout: float, lock_timeout: float, async_claim_commit: bool
     ) -> Statements:
         timeouts = timeouts_sql(statement_timeout, lock_timeout)
+        lock = lock_timeout_arg(statement_timeout, lock_timeout)
         return cls(
-            claim=timeouts + (ASYNC_COMMIT_PREFIX if async_claim_commit else "") + CLAIM,
+            claim=CLAIM.replace("{lock_timeout}", lock).replace(
+                "{async_commit}", "true" if async_claim_commit else "false"
+            ),
             claim_in_transaction=CLAIM_IN_TRANSACTION,
-            complete=timeouts + COMPLETE + ";\nCOMMIT",
-            insert_completed=timeouts + INSERT_COMPLETED + ";\nCOMMIT",
+            complete=COMPLETE.replace("{lock_timeout}", lock) + ";\nCOMMIT",
+            insert_completed=INSERT_COMPLETED.replace("{lock_timeout}", lock) + ";\nCOMMIT",
             # The view's transaction so far commits with the recovery point, and the
             # next one opens in the same round trip.
             checkpoint=timeouts + CHECKPOINT + ";\nCOMMIT;\nBEGIN",

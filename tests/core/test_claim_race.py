@@ -1,9 +1,10 @@
 """Two claimers taking over the same expired record at the same instant.
 
-Both read the expired row in their snapshot; one wins the ``ON CONFLICT DO
-UPDATE``, the other's update no longer applies. The loser must then see the
-winner's live claim (a 409), never the stale read: replaying the expired
-answer, or a 422 against the expired record's fingerprint, would be wrong.
+Both read the expired row in their snapshot; one wins the takeover's ``UPDATE``
+(migration 0012; ``ON CONFLICT DO UPDATE`` before), the other's update no longer
+applies. The loser must then see the winner's live claim (a 409), never the
+stale read: replaying the expired answer, or a 422 against the expired record's
+fingerprint, would be wrong.
 The race is made deterministic by holding the row lock in a third session
 until both claimers wait on it.
 """
@@ -99,3 +100,38 @@ def test_the_loser_of_a_simultaneous_takeover_gets_409(
     decision = flow.decide(losers[0], NEW_REQUEST)
     assert decision == flow.Reject(flow.Rejection.IN_PROGRESS), losers[0]
     assert losers[0].state == "processing"
+
+
+def test_a_new_key_inserted_between_the_claims_read_and_its_insert_is_read_again(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """Row mode's claim reads the key, and inserts it without ``ON CONFLICT`` when it
+    is absent (migration 0012). Another claimer's insert, committed after that read,
+    makes the INSERT fail with ``unique_violation``: the claim is asked again and
+    sees the other's live claim (a 409), never a 503."""
+    app = make_app()
+    store = app.extensions["idempotency"].store
+    other = psycopg2.connect(database_url)
+    with other.cursor() as cur:  # inserted, not yet committed: invisible to the read
+        cur.execute(
+            "INSERT INTO idempotency_records (record_key, fingerprint, state, lock_token,"
+            " lease_expires_at, expires_at) VALUES (%s, %s, 'processing', 1,"
+            " now() + interval '30 seconds', now() + interval '1 hour')",
+            (RECORD, NEW_REQUEST),
+        )
+    results: list[ClaimResult] = []
+    request = store.begin()
+    thread = threading.Thread(
+        target=lambda: results.append(request.claim(RECORD, NEW_REQUEST, lease=30, ttl=3600))
+    )
+    thread.start()
+    try:
+        _wait_for_lock_waiters(database_url, 1)  # its INSERT waits on the other's
+    finally:
+        other.commit()
+        other.close()
+    thread.join(10)
+    request.close()
+    [result] = results
+    assert isinstance(result, Existing), result
+    assert flow.decide(result, NEW_REQUEST) == flow.Reject(flow.Rejection.IN_PROGRESS)

@@ -19,7 +19,7 @@ import psycopg2
 import pytest
 from flask import Flask
 
-from flask_idempotency.store import sql as statements
+from flask_idempotency.store.sql import Statements
 from flask_idempotency.testing import databases
 from support.pg_query import query as sql
 from support.waiting import wait_until
@@ -27,6 +27,8 @@ from support.waiting import wait_until
 MakeApp = Callable[..., Flask]
 
 ANSWER = (201, '[["Content-Type", "application/json"]]', b'{"id": 1}')
+#: The request path's texts as a store with the default settings sends them.
+STATEMENTS = Statements.build(statement_timeout=5.0, lock_timeout=2.0, async_claim_commit=True)
 CLAIM_PARAMS = {"fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0}
 #: How long a request's record lives (the core app's ``/optional`` route).
 TTL = 3600.0
@@ -58,7 +60,7 @@ def cur(clean_db: str) -> Iterator[Any]:
 def _claim(cur: Any, *, recovery: bytes | None = None) -> bytes:
     """A new key claimed as a row-mode request claims it (committed, lock token 7)."""
     key = secrets.token_bytes(32)
-    cur.execute(statements.CLAIM, {"key": key, "recovery": recovery, **CLAIM_PARAMS})
+    cur.execute(STATEMENTS.claim, {"key": key, "recovery": recovery, **CLAIM_PARAMS})
     assert cur.fetchone()[0] is True
     return key
 
@@ -76,7 +78,7 @@ def test_a_completion_writes_no_index_entry_unless_the_route_keeps_recovery(
 ) -> None:
     key = _claim(cur, recovery=recovery)
     cur.execute("BEGIN")
-    cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
+    cur.execute(STATEMENTS.complete.removesuffix(";\nCOMMIT"), (key, 7, *ANSWER))
     assert _updates(cur) == (1, 1 if hot else 0)
     cur.execute("COMMIT")
     [(state, lives)] = sql(
@@ -98,7 +100,7 @@ def test_a_slow_views_answer_lives_nine_tenths_of_the_ttl_after_it_is_stored(
         (key,),
     )
     cur.execute("BEGIN")
-    cur.execute(statements.COMPLETE, (key, 7, *ANSWER))
+    cur.execute(STATEMENTS.complete.removesuffix(";\nCOMMIT"), (key, 7, *ANSWER))
     [remaining] = cur.fetchone()
     cur.execute("COMMIT")
     assert remaining == pytest.approx(0.9 * TTL, abs=5)
@@ -178,7 +180,7 @@ def test_the_transaction_modes_record_follows_the_same_ttl_rule(
     if view_seconds:
         cur.execute("SELECT pg_sleep(%s)", (view_seconds,))
     cur.execute(
-        "SELECT idempotency_insert_completed(%s, %s, %s, %s::smallint, %s::jsonb, %s)",
+        STATEMENTS.insert_completed.removesuffix(";\nCOMMIT"),
         (key, b"fp", ttl, *ANSWER),
     )
     [remaining] = cur.fetchone()

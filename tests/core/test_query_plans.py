@@ -29,7 +29,6 @@ from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.pool import EnginePool, build_engine
 from flask_idempotency.store.postgres import PostgresStore
-from flask_idempotency.store.sql import COMPLETE
 
 #: Enough rows that a sequential scan is never the cheapest plan.
 GROWN_TO = 20_000
@@ -111,7 +110,7 @@ def test_plans_cached_on_an_empty_table_still_use_the_index_once_it_grows(
             row = cur.fetchone()
             assert row is not None and row[0] is claims
             assert _sequential_scans(cur) == before, "the claim scanned the whole table"
-        cur.execute(COMPLETE, (key, 7, *answer))
+        cur.execute(store.statements.complete.removesuffix(";\nCOMMIT"), (key, 7, *answer))
         assert _sequential_scans(cur) == before, "the completion scanned the whole table"
         cur.execute("ROLLBACK")
 

@@ -170,10 +170,10 @@ def _statement_kind(sql: str) -> str:
         return "BEGIN+claim" if flat.startswith("BEGIN;") else flat
     if "idempotency_insert_completed" in flat:
         return "insert completed+COMMIT" if flat.rstrip().endswith("COMMIT") else flat
-    # The claim: one call of its schema function, after the SET LOCALs it is sent with.
-    if "idempotency_claim(" in flat:
-        # Asynchronous claim commit is the default; a durable one is named.
-        return "claim" if "synchronous_commit TO off" in flat else "claim (durable commit)"
+    # The claim: one call of its schema function, which sets its own timeouts.
+    if "idempotency_claim_v2(" in flat:
+        # Asynchronous claim commit (its last argument) is the default; a durable one is named.
+        return "claim" if flat.endswith(", true)") else "claim (durable commit)"
     if "idempotency_complete" in flat:
         return "complete+COMMIT" if flat.rstrip().endswith("COMMIT") else "complete"
     if "INSERT INTO bench_charges" in flat:

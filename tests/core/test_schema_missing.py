@@ -216,7 +216,7 @@ def test_a_missing_completion_function_rolls_the_attempt_back(
     databases.migrate(fresh_database_url)
     sql(
         fresh_database_url,
-        "DROP FUNCTION idempotency_complete(bytea, bigint, smallint, jsonb, bytea)",
+        "DROP FUNCTION idempotency_complete_v2(bytea, bigint, smallint, jsonb, bytea, text)",
     )
     app = make_app()
     assert_named(post(app), "schema_outdated")
