@@ -56,7 +56,7 @@ RESPONSE = StoredResponse(201, HEADERS, BODY)
 SERVER_SETTINGS = {"max_wal_size": "4GB", "checkpoint_timeout": "15min"}
 
 # The fill, in SQL: record keys are SHA-256 digests of realistic scope and key
-# text (as keys.record_key makes them); 60 % completed and live, 35 % expired
+# text (as digests.record_key makes them); 60 % completed and live, 35 % expired
 # (completed or processing, up to a day ago), 5 % processing with a dead lease.
 FILL = """
 INSERT INTO idempotency_records

@@ -19,7 +19,7 @@ import click
 from flask import Flask
 from flask.cli import AppGroup, FlaskGroup
 
-from . import keys, phases, runtime
+from . import digests, phases, runtime
 from .cache import cache_from_settings
 from .decorators import RouteDecorator
 from .engine import current_attempt
@@ -270,7 +270,7 @@ class Idempotency:
         attempt = current_attempt()
         if attempt is None or attempt.record_key is None:
             raise RuntimeError("derived_key() needs a running idempotent request with a key")
-        return keys.derived_key(attempt.record_key, purpose)
+        return digests.derived_key(attempt.record_key, purpose)
 
     def phase(self, name: str, step: Callable[[], T]) -> Any:
         """Run ``step`` as the recovery point ``name`` and return what it recorded.

@@ -12,9 +12,6 @@ from collections.abc import Callable
 
 from flask import Request
 
-from .digests import derived_key as derived_key  # re-exported: their old home
-from .digests import log_key as log_key
-from .digests import record_key as record_key
 from .errors import InvalidKey, MissingKey, ScopeUnavailable
 
 log = logging.getLogger("flask_idempotency.requests")

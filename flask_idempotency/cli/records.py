@@ -21,8 +21,9 @@ import click
 from flask import current_app, request
 from flask.cli import with_appcontext
 
-from .. import keys
-from ..keys import parse_key, record_key
+from .. import digests, keys
+from ..digests import record_key
+from ..keys import parse_key
 from ..store.base import RecordInfo, StoreUnavailableError
 from .output import echo_document, json_option
 from .prompts import confirm, yes_option
@@ -161,7 +162,7 @@ def _lease_live(info: RecordInfo) -> float | None:
 def _record_fields(rkey: bytes, info: RecordInfo) -> dict[str, Any]:
     lease_left = _lease_live(info)
     return {
-        "record": keys.log_key(rkey),
+        "record": digests.log_key(rkey),
         "state": info.state,
         "expired": info.expired,
         "lease_live": lease_left is not None,
@@ -257,7 +258,7 @@ def unlock(
         lease_left = _lease_live(info)
         if lease_left is not None:
             confirm(
-                f"record {keys.log_key(rkey)} is in flight: its holder still renews its "
+                f"record {digests.log_key(rkey)} is in flight: its holder still renews its "
                 f"lease (started {info.age_seconds:.0f} s ago, lease ends in "
                 f"{lease_left:.0f} s). Unlocking deletes it: the next request with this key "
                 "runs again, and if the holder is still calling the processor the payment "

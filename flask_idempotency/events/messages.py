@@ -65,7 +65,7 @@ class Delivery:
     type: str | None
     #: The event's data (the envelope's ``data``), else the whole decoded body.
     payload: Any
-    #: The emitting record's derived key (``keys.derived_key(record, "events")``).
+    #: The emitting record's derived key (``digests.derived_key(record, "events")``).
     derived_key: str | None = None
     headers: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     redelivered: bool = False

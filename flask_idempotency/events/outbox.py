@@ -39,9 +39,9 @@ from typing import Any
 
 from flask import g
 
-from .. import keys
+from .. import digests
 
-#: ``derived_key`` purpose of the key an event carries (``keys.derived_key``).
+#: ``derived_key`` purpose of the key an event carries (``digests.derived_key``).
 DERIVED_KEY_PURPOSE = "events"
 
 #: AMQP routing keys are at most 255 bytes; event types become routing keys.
@@ -175,7 +175,7 @@ class EmitScope:
         body = json.dumps(payload, separators=(",", ":"), allow_nan=False)
         eid = event_id(self.record_key, self.token, self.emitted)
         derived = (
-            keys.derived_key(self.record_key, DERIVED_KEY_PURPOSE)
+            digests.derived_key(self.record_key, DERIVED_KEY_PURPOSE)
             if self.record_key is not None
             else None
         )

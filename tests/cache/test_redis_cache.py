@@ -36,7 +36,7 @@ from flask_idempotency.cache import codec
 from flask_idempotency.cache.keyring import TAG_SIZE
 from flask_idempotency.cache.redis import RedisCache
 from flask_idempotency.circuit import BreakerState, CircuitBreaker, Transition
-from flask_idempotency.keys import record_key
+from flask_idempotency.digests import record_key
 from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import StoredResponse

@@ -28,7 +28,7 @@ from flask_idempotency import Idempotency
 from flask_idempotency.cache import codec
 from flask_idempotency.cache.keyring import TAG_SIZE, Keyring, Unauthentic
 from flask_idempotency.cache.redis import RedisCache
-from flask_idempotency.keys import record_key
+from flask_idempotency.digests import record_key
 from flask_idempotency.observer import Observer
 from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.store.base import StoredResponse

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from flask import Flask
 
-from flask_idempotency import Idempotency, keys
+from flask_idempotency import Idempotency, digests
 from flask_idempotency.store.base import Claimed, LeaseHold
 from support import core_app
 from support.pg_query import terminate_sessions
@@ -160,7 +160,7 @@ def test_lease_renewals_survive_a_dead_keeper_connection(clean_db: str, apps: li
     name = "stale-keeper"
     app = labelled_app(clean_db, apps, name)
     store = app.extensions["idempotency"].store
-    record_key = keys.record_key("", "stale-keeper")
+    record_key = digests.record_key("", "stale-keeper")
     holder = store.begin()
     try:
         claimed = holder.claim(record_key, b"fingerprint", lease=30, ttl=60)

@@ -31,7 +31,7 @@ from example_app.processor_client import (
     ProcessorUnavailable,
 )
 from example_app.processor_core import FakeProcessor
-from flask_idempotency import Abandoned, Idempotency, keys
+from flask_idempotency import Abandoned, Idempotency, digests
 from flask_idempotency.recovery import capture
 from flask_idempotency.route_options import route_options
 
@@ -186,7 +186,7 @@ def recover(app: Flask, *args: str) -> Any:
 
 
 def processor_key(key: str, purpose: str = "processor") -> str:
-    return keys.derived_key(keys.record_key(owner_of(TOKEN), key), purpose)
+    return digests.derived_key(digests.record_key(owner_of(TOKEN), key), purpose)
 
 
 def frozen_request(
@@ -525,7 +525,7 @@ def test_the_stored_request_comes_back_as_it_was() -> None:
         "expand=1",
     )
     assert attempt.body == body and attempt.data == {"owner": "o"}
-    assert attempt.derived_key("processor") == keys.derived_key(b"k" * 32, "processor")
+    assert attempt.derived_key("processor") == digests.derived_key(b"k" * 32, "processor")
     with app.request_context(attempt.environ()) as rebuilt:
         assert rebuilt.request.get_json() == {"amount": 1500, "note": "café"}
         assert rebuilt.request.args["expand"] == "1"

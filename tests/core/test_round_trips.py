@@ -44,7 +44,7 @@ import redis.connection
 from flask import Flask
 from werkzeug.test import TestResponse
 
-from flask_idempotency import keys
+from flask_idempotency import digests
 from flask_idempotency.fingerprint import fingerprint
 from flask_idempotency.store.base import Claimed
 
@@ -302,7 +302,7 @@ def test_duplicate_of_an_in_progress_key_is_the_claim_statement_alone(
     costs one statement (the claim that finds the live lease)."""
     subject = make_subject("pg")
     state = subject.app.extensions["idempotency"]
-    record_key = keys.record_key("", "hot-1")
+    record_key = digests.record_key("", "hot-1")
     request_fp = fingerprint("POST", CHARGES_PATH, b"", "application/json", REQUEST_BODY)
     holder = state.store.begin()
     try:
@@ -416,7 +416,7 @@ class TestTransactionClaimMode:
     ) -> None:
         subject = make_subject("pg", **TRANSACTION_MODE)
         state = subject.app.extensions["idempotency"]
-        record_key = keys.record_key("", "tx-hot-1")
+        record_key = digests.record_key("", "tx-hot-1")
         request_fp = fingerprint("POST", CHARGES_PATH, b"", "application/json", REQUEST_BODY)
         holder = state.store.begin()
         try:

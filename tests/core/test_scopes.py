@@ -23,6 +23,7 @@ from flask_idempotency import (
     ScopeUnavailable,
     authorization_scope,
     default_scope,
+    digests,
     global_scope,
     keys,
     user_scope,
@@ -183,7 +184,7 @@ def test_an_explicit_global_scope_accepts_requests_without_principal(
     # The empty scope requests without Authorization had before: records stored
     # by a single-principal app before it opted in still replay.
     [(record_key, state)] = records(clean_db)
-    assert bytes(record_key) == keys.record_key("", "key-1")
+    assert bytes(record_key) == digests.record_key("", "key-1")
     assert state == "completed"
 
 
@@ -280,8 +281,8 @@ def test_flask_login_users_are_scoped_by_user_id_by_default(
     assert post(alice).data == a.data and post(bob).data == b.data
     assert runs(app) == ["charges", "charges"]
     assert {bytes(k) for k, _ in records(clean_db)} == {
-        keys.record_key("user:alice", "key-1"),
-        keys.record_key("user:bob", "key-1"),
+        digests.record_key("user:alice", "key-1"),
+        digests.record_key("user:bob", "key-1"),
     }
     # The user comes first: a new Authorization value (a refreshed token) of the
     # same logged-in user replays.

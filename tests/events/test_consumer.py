@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 from flask import Flask
 
-from flask_idempotency import keys
+from flask_idempotency import digests
 from flask_idempotency.events import (
     ConsumerOutcome,
     ConsumerWorker,
@@ -86,7 +86,7 @@ def test_a_message_is_handled_once_and_a_redelivery_is_acknowledged_without_runn
     rows = query(
         clean_db,
         "SELECT state FROM idempotency_records WHERE record_key = %s",
-        (keys.record_key("consumer:ledger", "evt_1"),),
+        (digests.record_key("consumer:ledger", "evt_1"),),
     )
     assert rows == [("completed",)]
 
@@ -260,7 +260,7 @@ def test_a_handler_emits_in_its_own_transaction(app: Flask, clean_db: str) -> No
     assert chain.handle(delivery("evt_bad", fail=True), app=app).outcome is ConsumerOutcome.RETRY
     rows = query(clean_db, "SELECT event_type, payload, record_key FROM idempotency_outbox")
     assert [(r[0], r[1]) for r in rows] == [("thing.followed", {"after": "evt_ok"})]
-    assert bytes(rows[0][2]) == keys.record_key("consumer:chain", "evt_ok")
+    assert bytes(rows[0][2]) == digests.record_key("consumer:chain", "evt_ok")
 
 
 @pytest.fixture

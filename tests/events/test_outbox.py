@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from flask import Flask
 
-from flask_idempotency import keys
+from flask_idempotency import digests
 from flask_idempotency.events import outbox
 from support.pg_query import query
 
@@ -54,12 +54,12 @@ def test_a_completed_request_commits_its_events_and_a_replay_emits_none(
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert counts(clean_db) == (1, 2)
     rows = events(clean_db)
-    record = keys.record_key("tenant", "k-1")
+    record = digests.record_key("tenant", "k-1")
     assert [r[0] for r in rows] == first.get_json()["events"]
     assert all(r[0].startswith("evt_") and len(r[0]) == 36 for r in rows)
     assert rows[0][0] != rows[1][0]
     assert {bytes(r[1]) for r in rows} == {record}
-    assert {r[2] for r in rows} == {keys.derived_key(record, "events")}
+    assert {r[2] for r in rows} == {digests.derived_key(record, "events")}
     assert [r[4] for r in rows] == [{"label": "a", "n": 0}, {"label": "a", "n": 1}]
     assert all(r[3] == "thing.created" and r[5] is None and r[6] == 0 for r in rows)
 

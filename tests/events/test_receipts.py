@@ -20,7 +20,7 @@ from example_app import create_app, receipts
 from example_app.auth import owner_of
 from example_app.processor_client import InProcessProcessorClient
 from example_app.processor_core import FakeProcessor
-from flask_idempotency import keys
+from flask_idempotency import digests
 from flask_idempotency.events import ConsumerWorker
 from support.pg_query import query
 from support.waiting import wait_until
@@ -76,7 +76,7 @@ def test_a_created_charge_emits_charge_succeeded_once(build_app: BuildApp, clean
     event_type, payload, derived = rows[0]
     assert event_type == "charge.succeeded"
     assert payload == created.get_json() | {"owner": owner_of(TOKEN)}
-    assert derived == keys.derived_key(keys.record_key(owner_of(TOKEN), "c-1"), "events")
+    assert derived == digests.derived_key(digests.record_key(owner_of(TOKEN), "c-1"), "events")
 
 
 def test_the_embedded_path_writes_one_receipt_per_charge(build_app: BuildApp) -> None:

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from flask_idempotency import keys
+from flask_idempotency import digests
 from support._files import make_workdir, remove_tree
 from support._procs import spawn, stop_process
 from support.pg_query import query
@@ -175,7 +175,7 @@ def settle(database_url: str, charges: int, timeout: float = 60.0) -> None:
 def consumer_claims_in_flight(database_url: str) -> int:
     """Receipts claims held right now: a consumer is inside its handler's transaction."""
     events = [r[0] for r in query(database_url, "SELECT id FROM idempotency_outbox")]
-    claims = [keys.record_key("consumer:receipts", e) for e in events]
+    claims = [digests.record_key("consumer:receipts", e) for e in events]
     return int(
         query(
             database_url,
@@ -191,7 +191,7 @@ def check_exactly_one_receipt_per_charge(
 ) -> dict[str, Any]:
     receipts = query(database_url, "SELECT charge, count(*) FROM receipts GROUP BY charge")
     events = [r[0] for r in query(database_url, "SELECT id FROM idempotency_outbox")]
-    consumer_keys = [keys.record_key("consumer:receipts", e) for e in events]
+    consumer_keys = [digests.record_key("consumer:receipts", e) for e in events]
     takeovers, completed = query(
         database_url,
         "SELECT coalesce(sum(takeovers), 0), count(*) FILTER (WHERE state = 'completed')"

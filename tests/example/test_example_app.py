@@ -26,7 +26,7 @@ from example_app.auth import owner_of
 from example_app.config import config_from_env
 from example_app.processor_client import InProcessProcessorClient
 from example_app.processor_core import FakeProcessor
-from flask_idempotency import keys
+from flask_idempotency import digests
 from support.servers import ProxyFactory
 from support.waiting import wait_until
 
@@ -92,7 +92,7 @@ def post_charge(
 
 def processor_key(token: str, key: str) -> str:
     """The key the app must send to the processor for (API key, Idempotency-Key)."""
-    return keys.derived_key(keys.record_key(owner_of(token), key), "processor")
+    return digests.derived_key(digests.record_key(owner_of(token), key), "processor")
 
 
 def error_of(response: TestResponse) -> dict[str, Any]:
@@ -594,7 +594,7 @@ def test_cli_migrate_and_purge(build_app: BuildApp, clean_db: str) -> None:
         clean_db,
         "UPDATE idempotency_records SET expires_at = now() - interval '1 second'"
         " WHERE record_key = %s",
-        (keys.record_key(owner_of(TOKEN), "old"),),
+        (digests.record_key(owner_of(TOKEN), "old"),),
     )
     dry = runner.invoke(args=["idempotency", "purge", "--dry-run"])
     assert (dry.exit_code, dry.output.splitlines()) == (

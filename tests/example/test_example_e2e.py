@@ -28,7 +28,7 @@ import psycopg2
 import pytest
 
 from example_app.auth import owner_of
-from flask_idempotency import keys
+from flask_idempotency import digests
 from support.records import end_leases
 from support.servers import GunicornServer, HttpResponse, http_request
 
@@ -204,7 +204,7 @@ def charge(
 
 
 def processor_key(token: str, key: str) -> str:
-    return keys.derived_key(keys.record_key(owner_of(token), key), "processor")
+    return digests.derived_key(digests.record_key(owner_of(token), key), "processor")
 
 
 def processor_counts(processor: GunicornServer, key: str) -> dict[str, int]:
@@ -309,7 +309,7 @@ def test_worker_killed_after_the_processor_charged(
     assert busy.status == 409
     assert busy.json()["error"]["code"] == "in_progress"
     # Its lease would end LEASE_SECONDS after its last renewal; end it now instead.
-    assert end_leases(database_url, record_key=keys.record_key(owner_of(token), "order-1")) == 1
+    assert end_leases(database_url, record_key=digests.record_key(owner_of(token), "order-1")) == 1
     retry = charge(api, token, "order-1")
     assert (retry.status, retry.headers["Idempotent-Replayed"]) == (201, "false"), retry.body
 

@@ -28,7 +28,7 @@ from opentelemetry.trace import StatusCode
 from prometheus_client import CollectorRegistry
 from werkzeug.test import TestResponse
 
-from flask_idempotency import Idempotency, keys
+from flask_idempotency import Idempotency, digests
 from flask_idempotency.observability import (
     Observer,
     RequestEvent,
@@ -221,8 +221,8 @@ def test_every_outcome_is_counted_logged_and_labelled_once(
     assert levels["store_unavailable"] == "WARNING"
     assert levels["not_storable"] == "ERROR"
     first_event = events[0]
-    assert first_event.key_digest == keys.log_key(  # type: ignore[attr-defined]
-        keys.record_key(authorization_digest(CLIENT_AUTHORIZATION), SECRET)
+    assert first_event.key_digest == digests.log_key(  # type: ignore[attr-defined]
+        digests.record_key(authorization_digest(CLIENT_AUTHORIZATION), SECRET)
     )
     assert first_event.scope_digest == scope_digest(  # type: ignore[attr-defined]
         authorization_digest(CLIENT_AUTHORIZATION)
@@ -289,7 +289,7 @@ def test_spans_for_the_claim_the_replay_and_the_completion(
     app = make_app()
     OpenTelemetryTracing(app, tracer_provider=provider)
     tracer = provider.get_tracer("test")
-    digest = keys.log_key(keys.record_key(authorization_digest(CLIENT_AUTHORIZATION), SECRET))
+    digest = digests.log_key(digests.record_key(authorization_digest(CLIENT_AUTHORIZATION), SECRET))
 
     with tracer.start_as_current_span("POST /charges") as server:
         assert post(app, {}, SECRET).status_code == 201

@@ -33,7 +33,7 @@ import psycopg2
 import pytest
 
 from example_app.auth import owner_of
-from flask_idempotency import keys
+from flask_idempotency import digests
 from support.gunicorn_server import GunicornServer
 from support.http_client import http_request
 from support.waiting import wait_until
@@ -203,7 +203,7 @@ def test_abandoned_charges_are_recovered_or_released_and_then_replayed(
         completer = pool.submit(run_recover, stack, "--batch-size", "2")
         first = pool.submit(retry_until_final, connections, [calls[k] for k in early], deadline=30)
         wait_until(
-            lambda: taken_over(stack, [keys.record_key(owner, k) for k in late]),
+            lambda: taken_over(stack, [digests.record_key(owner, k) for k in late]),
             20,
             "the completer's takeover",
         )
@@ -293,7 +293,7 @@ def phases_reached(stack: Stack, owner: str, keys_by_phases: dict[int, list[str]
         )
     }
     return all(
-        counts.get(keys.record_key(owner, key)) == n
+        counts.get(digests.record_key(owner, key)) == n
         for n, group in keys_by_phases.items()
         for key in group
     )
@@ -384,7 +384,7 @@ def step_calls(
     """External calls of each order, by step: reserve and notify from the fulfilment
     service's ledger, charge from the processor's (by the derived keys it was sent)."""
     derived = {
-        keys.derived_key(keys.record_key(owner, key), purpose): (key, step)
+        digests.derived_key(digests.record_key(owner, key), purpose): (key, step)
         for key in calls
         for purpose, step in (("reserve", "reserve"), ("processor", "charge"), ("notify", "notify"))
     }

@@ -18,7 +18,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sa_harness import query, sa_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from flask_idempotency import Abandoned, Idempotency, global_scope, keys
+from flask_idempotency import Abandoned, Idempotency, digests, global_scope
 from flask_idempotency.completer import Recoverer, RecoveryOutcome
 from flask_idempotency.recovery import capture, recoverable_routes
 
@@ -166,7 +166,7 @@ def test_recover_writes_through_the_session_with_the_recovered_answer(
         from flask import request as current
 
         options = recoverable_routes(app)["charge"]
-        record_key = keys.record_key(global_scope(current), label)
+        record_key = digests.record_key(global_scope(current), label)
         fingerprint = state.options_for(options).fingerprint_func(current)
         tx = state.store.begin()
         claimed = tx.claim(

@@ -29,7 +29,7 @@ from flask import Flask, jsonify, request
 from reliability.figures import Figures
 
 from flask_idempotency import Idempotency, global_scope
-from flask_idempotency.keys import record_key
+from flask_idempotency.digests import record_key
 from support._procs import LOOPBACK
 from support.postgres_server import ThrowawayPostgres
 from support.redis_topology import RedisCluster, SentinelPair

@@ -22,7 +22,7 @@ import pytest
 from flask import Flask
 
 from flask_idempotency import fingerprint
-from flask_idempotency.keys import record_key
+from flask_idempotency.digests import record_key
 from support.pg_query import query
 
 from .conftest import MakeTrustApp

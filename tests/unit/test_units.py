@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flask_idempotency import InvalidKey, MissingKey
+from flask_idempotency.digests import derived_key, log_key, record_key
 from flask_idempotency.fingerprint import canonical_body, fingerprint
 from flask_idempotency.flow import (
     Proceed,
@@ -21,7 +22,7 @@ from flask_idempotency.flow import (
     retry_after_seconds,
     settlement,
 )
-from flask_idempotency.keys import derived_key, log_key, parse_key, record_key, require_key
+from flask_idempotency.keys import parse_key, require_key
 from flask_idempotency.settings import default_should_store, settings_from_config
 from flask_idempotency.store.base import Claimed, Existing, StoredResponse
 
