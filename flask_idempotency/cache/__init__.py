@@ -10,7 +10,7 @@ from typing import Any
 from ..settings import Settings
 from ..store.identity import database_identity
 from ..store.memory import is_memory_url
-from .base import CachedRecord, NullCache, ResponseCache
+from .base import CachedRecord, ResponseCache
 from .keyring import secrets_from_config
 
 log = logging.getLogger("flask_idempotency.cache")
@@ -29,12 +29,12 @@ def cache_from_settings(settings: Settings, config: Mapping[str, Any], store: An
     """The cache ``settings`` ask for, sealed with ``config``'s ``SECRET_KEY`` (and
     ``SECRET_KEY_FALLBACKS``) and ``store``'s database identity; or none."""
     if settings.redis is None and settings.redis_url is None:
-        return NullCache()
+        return ResponseCache()
     if is_memory_url(settings.database_url):
         # A shared cache in front of one process's records would outlive them (a
         # restart forgets the records, not the copies): the cache is off.
         log.warning("idempotency: memory:// keeps no Redis cache; the Redis settings are unused")
-        return NullCache()
+        return ResponseCache()
     try:
         from .redis import RedisCache, client_for_settings  # lazily: an optional extra
     except ModuleNotFoundError as exc:
@@ -50,11 +50,11 @@ def cache_from_settings(settings: Settings, config: Mapping[str, Any], store: An
         if owned:
             client.close()
         log.error(NO_SECRET)
-        return NullCache()
+        return ResponseCache()
 
     return RedisCache(
         settings, secrets=secrets, identity=functools.partial(database_identity, store)
     )
 
 
-__all__ = ["CachedRecord", "NullCache", "ResponseCache", "cache_from_settings"]
+__all__ = ["CachedRecord", "ResponseCache", "cache_from_settings"]

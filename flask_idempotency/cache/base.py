@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
 
 from ..store.base import StoredResponse
 
@@ -19,31 +18,9 @@ class CachedRecord:
     response: StoredResponse
 
 
-class ResponseCache(Protocol):
-    def get(self, record_key: bytes) -> CachedRecord | None: ...
-
-    def put(
-        self, record_key: bytes, fingerprint: bytes, response: StoredResponse, ttl: float
-    ) -> None: ...
-
-    def evict(self, record_keys: Sequence[bytes]) -> None: ...
-
-    def close(self) -> None: ...
-
-    def ping(self) -> None:
-        """Raise if the cache does not answer (health checks; the request path
-        never needs it: a failing cache is a miss)."""
-        ...
-
-    def prepare(self) -> None:
-        """Read now what the cache needs from PostgreSQL (the database's identity),
-        while it answers: a worker whose first request comes during a PostgreSQL
-        outage can then still replay from Redis. Best effort, never raises."""
-        ...
-
-
-class NullCache:
-    """No cache: every request goes to PostgreSQL."""
+class ResponseCache:
+    """What the extension asks of a cache; by itself, no cache: every lookup is a
+    miss and every request goes to PostgreSQL (the cache without Redis)."""
 
     def get(self, record_key: bytes) -> CachedRecord | None:
         return None
@@ -57,9 +34,14 @@ class NullCache:
         return None
 
     def ping(self) -> None:
+        """Raise if the cache does not answer (health checks; the request path
+        never needs it: a failing cache is a miss)."""
         return None
 
     def prepare(self) -> None:
+        """Read now what the cache needs from PostgreSQL (the database's identity),
+        while it answers: a worker whose first request comes during a PostgreSQL
+        outage can then still replay from Redis. Best effort, never raises."""
         return None
 
     def close(self) -> None:

@@ -54,8 +54,6 @@ COMPRESS_LEVEL = 1
 _PREFIX = struct.Struct(">BBHQ")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
-_U16_MAX = 0xFFFF
-_U32_MAX = 0xFFFFFFFF
 
 #: Header names and values are ``str`` that may hold any code point (WSGI
 #: gives latin-1 decoded bytes, an application may set anything); surrogatepass
@@ -95,20 +93,17 @@ def encode(
         deflated = zlib.compress(body, COMPRESS_LEVEL)
         if len(deflated) < len(body):
             body, flags = deflated, FLAG_COMPRESSED
-    if not 0 <= response.status <= _U16_MAX:
-        raise CodecError(f"status {response.status} does not fit")
-    parts = [
-        _PREFIX.pack(FORMAT_VERSION, flags, response.status, expires_at),
-        _framed(fingerprint),
-    ]
-    parts.append(_length(len(response.headers)))
-    for name, value in response.headers:
-        parts.append(_framed(name.encode("utf-8", _TEXT_ERRORS)))
-        parts.append(_framed(value.encode("utf-8", _TEXT_ERRORS)))
-    if len(body) > _U32_MAX:
-        raise CodecError("body over 4 GiB")
-    parts.append(_U32.pack(len(body)))
-    parts.append(body)
+    try:  # struct refuses what does not fit its field (a status, a length)
+        parts = [
+            _PREFIX.pack(FORMAT_VERSION, flags, response.status, expires_at),
+            _framed(fingerprint),
+            _U16.pack(len(response.headers)),
+        ]
+        for pair in response.headers:
+            parts += [_framed(text.encode("utf-8", _TEXT_ERRORS)) for text in pair]
+        parts += [_U32.pack(len(body)), body]
+    except struct.error as exc:
+        raise CodecError(f"the response does not fit the format: {exc}") from None
     return b"".join(parts)
 
 
@@ -149,14 +144,9 @@ def decode(value: bytes, *, max_body: int | None = None) -> Entry:
     )
 
 
-def _length(n: int) -> bytes:
-    if n > _U16_MAX:
-        raise CodecError(f"length {n} does not fit in 16 bits")
-    return _U16.pack(n)
-
-
-def _framed(data: bytes) -> bytes:
-    return _length(len(data)) + data
+def _framed(data: bytes, length: struct.Struct = _U16) -> bytes:
+    """``data`` preceded by its length, a ``u16`` unless said otherwise."""
+    return length.pack(len(data)) + data
 
 
 def _inflate(data: bytes, max_body: int | None) -> bytes:

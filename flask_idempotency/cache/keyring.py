@@ -26,7 +26,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger("flask_idempotency.cache")
@@ -61,9 +61,6 @@ class Keyring:
     """The derived keys of one deployment: the first signs, every one verifies."""
 
     def __init__(self, secrets: Sequence[bytes], identity: bytes) -> None:
-        if not identity:
-            raise ValueError("a cache keyring needs the database's identity")
-        self.identity = identity
         #: What the Redis keys of this deployment start with after the prefix.
         self.namespace = identity.hex()
         self._keys = [
@@ -80,7 +77,11 @@ class Keyring:
         if len(value) < TAG_SIZE:
             raise Unauthentic("shorter than a tag")
         payload, tag = value[:-TAG_SIZE], value[-TAG_SIZE:]
-        if not _any_matches(tag, (self._tag(k, redis_key, payload) for k in self._keys)):
+        expected = [self._tag(key, redis_key, payload) for key in self._keys]
+        # Every expected tag is compared (a list, not any()'s short cut), in constant
+        # time each: which key matched, and how much of a forged tag was right, never
+        # shows in the timing.
+        if not any([hmac.compare_digest(tag, mine) for mine in expected]):
             raise Unauthentic("the tag does not verify")
         return payload
 
@@ -90,13 +91,6 @@ class Keyring:
         mac.update(redis_key)
         mac.update(payload)
         return mac.digest()
-
-
-def _any_matches(tag: bytes, candidates: Iterable[bytes]) -> bool:
-    # Every candidate is compared (a list, not any()'s short cut), in constant time
-    # each: which key matched, and how much of a forged tag was right, never shows
-    # in the timing.
-    return any([hmac.compare_digest(tag, candidate) for candidate in candidates])
 
 
 #: Seconds between two attempts to read the database's identity while PostgreSQL
@@ -117,8 +111,6 @@ class LazyKeyring:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not secrets:
-            raise ValueError("the Redis cache needs the application's SECRET_KEY")
         self._secrets = list(secrets)
         self._identity = identity
         self._clock = clock

@@ -52,7 +52,7 @@ from ..observer import Observer
 from ..settings import Settings
 from ..store.base import StoredResponse
 from . import codec, topology
-from .base import CachedRecord
+from .base import CachedRecord, ResponseCache
 from .keyring import Keyring, LazyKeyring, Unauthentic
 
 log = logging.getLogger("flask_idempotency.cache")
@@ -71,8 +71,8 @@ LOG_INTERVAL = 10.0
 _SOCKET_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
-class RedisCache:
-    """A :class:`~flask_idempotency.cache.base.ResponseCache` over one Redis client.
+class RedisCache(ResponseCache):
+    """The :class:`~flask_idempotency.cache.base.ResponseCache` over one Redis client.
 
     Thread-safe and fork-safe through redis-py's pool, which compares its PID on
     every checkout: a gunicorn worker never shares its master's socket, and no
@@ -129,7 +129,7 @@ class RedisCache:
         self._observer = observer
         observer.breaker_changed(self.breaker.state.value)
 
-    # -- the ResponseCache protocol -------------------------------------------
+    # -- the ResponseCache interface ------------------------------------------
 
     def get(self, record_key: bytes) -> CachedRecord | None:
         record = self._get(record_key)

@@ -16,7 +16,7 @@ from flask import Flask, jsonify
 from flask_sqlalchemy import SQLAlchemy
 
 from flask_idempotency import Idempotency, global_scope
-from flask_idempotency.cache import NullCache
+from flask_idempotency.cache import ResponseCache
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.memory import SWEEP_EVERY, MemoryStore
 from flask_idempotency.store.one_process import MultiProcessError
@@ -199,7 +199,7 @@ def test_redis_settings_are_unused_with_memory(
     memory_app: Callable[..., Flask], redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = memory_app(IDEMPOTENCY_REDIS_URL=redis_url)
-    assert isinstance(app.extensions["idempotency"].cache, NullCache)
+    assert type(app.extensions["idempotency"].cache) is ResponseCache  # no cache: no Redis
     assert "memory:// keeps no Redis cache" in caplog.text
 
 
