@@ -17,7 +17,7 @@ They do two jobs:
   removes the directory it made. Without prometheus-client they do nothing.
 - **The pool against the threads.** ``post_worker_init`` logs a WARNING when a
   worker has more threads than the extension's pool has connections
-  (:func:`check_worker`).
+  (:func:`~flask_idempotency.workers.check_worker`).
 
 gunicorn reads one function per hook name. If your gunicorn.conf.py has a hook
 of its own with one of these names, call ours from it instead of importing the
@@ -40,13 +40,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from .workers import check_pool_size as check_pool_size
-from .workers import check_worker as check_worker
+from .workers import check_worker
 
 __all__ = ["child_exit", "on_exit", "on_starting", "post_worker_init"]
 
@@ -64,7 +62,14 @@ def on_starting(server: Any) -> None:
     if directory is None:
         return
     server.log.info("prometheus multiprocess directory: %s", directory)
-    if not _prometheus_multiprocess():
+    # Imported here, with the variable set, rather than first in child_exit: gunicorn
+    # calls child_exit from its SIGCHLD handler, and two workers dying together would
+    # re-enter a half-done import there (an ImportError that stops the master).
+    import prometheus_client.multiprocess  # noqa: F401
+
+    from .observability.prometheus import multiprocess_mode
+
+    if not multiprocess_mode():
         server.log.error(
             "flask_idempotency: prometheus_client was imported before %s was set "
             "(preload_app?): each worker will export only its own figures. Set %s in "
@@ -72,10 +77,6 @@ def on_starting(server: Any) -> None:
             MULTIPROC_ENV,
             MULTIPROC_ENV,
         )
-    # Imported here, with the variable set, rather than first in child_exit: gunicorn
-    # calls child_exit from its SIGCHLD handler, and two workers dying together would
-    # re-enter a half-done import there (an ImportError that stops the master).
-    import prometheus_client.multiprocess  # noqa: F401
 
 
 def child_exit(server: Any, worker: Any) -> None:
@@ -141,11 +142,3 @@ def _prepared() -> tuple[int | None, str, str]:
 
 def _has_prometheus_client() -> bool:
     return importlib.util.find_spec("prometheus_client") is not None
-
-
-def _prometheus_multiprocess() -> bool:
-    """Whether prometheus-client, if imported already, chose multiprocess mode."""
-    values = sys.modules.get("prometheus_client.values")
-    if values is None:
-        return True  # imported later, in the workers, with the variable set
-    return bool(getattr(values.ValueClass, "_multiprocess", False))
