@@ -103,11 +103,6 @@ class Idempotency:
         if find_app_state(app) is not None:
             raise RuntimeError("flask_idempotency is already initialised on this app")
         joins = db is not None or engine is not None
-        if joins and is_memory_url(app.config.get("IDEMPOTENCY_DATABASE_URL")):
-            raise ValueError(
-                "IDEMPOTENCY_DATABASE_URL is memory://, which has no database for db= (or "
-                "engine=) to join: drop db=, or use that database instead of memory://"
-            )
         settings = settings_from_config(
             app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
         )

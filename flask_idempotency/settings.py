@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import string
+import re
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -247,27 +247,15 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
         if value is not None or kinds[name] in _FUNCTION_TYPES:
             values[name] = _coerce(name, kinds[name], value)
     settings = Settings(**values)
-    if engine_given:
-        if settings.database_url is not None:
-            raise ValueError(
-                "With db= (or engine=) the extension uses that engine's database: "
-                "remove IDEMPOTENCY_DATABASE_URL"
-            )
-        validate(dataclasses.replace(settings, database_url="(db's engine)"))
-    else:
-        validate(settings)
+    validate(settings, engine_given)
     return settings
 
 
 #: The bounds of the numeric settings: which, the rule as said, and its test.
 _BOUNDS: tuple[tuple[tuple[str, ...], str, Callable[[float], bool]], ...] = (
     (
-        ("ttl", "lease", "pool_timeout", "connect_timeout", "statement_timeout"),
-        "be positive",
-        lambda value: value > 0,
-    ),
-    (
-        ("redis_timeout", "redis_breaker_cooldown", "store_breaker_cooldown"),
+        ("ttl", "lease", "pool_timeout", "connect_timeout", "statement_timeout", "redis_timeout")
+        + ("redis_breaker_cooldown", "store_breaker_cooldown"),
         "be positive",
         lambda value: value > 0,
     ),
@@ -281,8 +269,14 @@ _BOUNDS: tuple[tuple[tuple[str, ...], str, Callable[[float], bool]], ...] = (
 )
 
 
-def validate(settings: Settings) -> None:
-    if settings.database_url is None:
+def validate(settings: Settings, engine_given: bool) -> None:
+    if engine_given and settings.database_url is not None:
+        # memory:// too: it has no database for db= to join.
+        raise ValueError(
+            "With db= (or engine=) the extension uses that engine's database: "
+            "remove IDEMPOTENCY_DATABASE_URL"
+        )
+    if not engine_given and settings.database_url is None:
         raise ValueError(
             "Set IDEMPOTENCY_DATABASE_URL, or pass db= (Flask-SQLAlchemy) or engine= "
             "(a SQLAlchemy Engine) to Idempotency"
@@ -301,7 +295,7 @@ def validate(settings: Settings) -> None:
             "IDEMPOTENCY_LEASE_RENEW_INTERVAL must be 0 (off) or shorter than IDEMPOTENCY_LEASE"
         )
     for pattern in settings.not_replayed_headers:
-        if not _is_header_pattern(pattern):
+        if not (isinstance(pattern, str) and _HEADER_PATTERN.fullmatch(pattern)):
             raise ValueError(
                 "IDEMPOTENCY_NOT_REPLAYED_HEADERS must list header names, or prefixes "
                 f"ending in '*', got {pattern!r}"
@@ -314,13 +308,5 @@ def validate(settings: Settings) -> None:
             )
 
 
-#: What a header name may hold (RFC 9110's ``token``).
-_TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
-
-
-def _is_header_pattern(pattern: object) -> bool:
-    """A header name, or a prefix of one followed by ``*``."""
-    if not isinstance(pattern, str):
-        return False
-    name = pattern[:-1] if pattern.endswith("*") else pattern
-    return bool(name) and "*" not in name and _TOKEN_CHARS.issuperset(name)
+#: A header name (RFC 9110's ``token``), or a prefix of one followed by ``*``.
+_HEADER_PATTERN = re.compile(r"[!#$%&'+\-.^_`|~0-9A-Za-z]+\*?")
