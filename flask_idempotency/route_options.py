@@ -71,16 +71,12 @@ class RouteOptions:
             )
 
     def effective(self, settings: Settings) -> EffectiveOptions:
-        """The route's values, falling back to the app's settings."""
-        return EffectiveOptions(
-            ttl=self.ttl if self.ttl is not None else settings.ttl,
-            lease=self.lease if self.lease is not None else settings.lease,
-            wait=self.wait if self.wait is not None else settings.wait,
-            should_store=self.should_store or settings.should_store,
-            scope_func=self.scope_func or settings.scope_func,
-            fingerprint_func=self.fingerprint_func or settings.fingerprint_func,
-            oversize=self.oversize or settings.oversize,
-        )
+        """The route's values, each falling back to the app's setting of its name."""
+        values = {}
+        for field in dataclasses.fields(EffectiveOptions):
+            own = getattr(self, field.name)
+            values[field.name] = getattr(settings, field.name) if own is None else own
+        return EffectiveOptions(**values)
 
 
 @dataclasses.dataclass(frozen=True)
