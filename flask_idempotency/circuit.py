@@ -27,14 +27,6 @@ class BreakerState(enum.Enum):
     HALF_OPEN = "half-open"
 
 
-class Transition(enum.Enum):
-    """What a reported result did to the breaker, so the caller can log it once."""
-
-    NONE = "none"
-    OPENED = "opened"
-    CLOSED = "closed"
-
-
 class CircuitBreaker:
     """Closed -> ``threshold`` consecutive failures -> open -> ``cooldown`` -> half-open.
 
@@ -53,22 +45,14 @@ class CircuitBreaker:
         self.cooldown = cooldown
         self.clock = clock
         self._lock = threading.Lock()
-        self._state = BreakerState.CLOSED
+        #: Written under the lock; read without it (one attribute, for reports).
+        self.state = BreakerState.CLOSED
+        #: How many times the breaker has opened: a caller that notes it before a
+        #: wait knows afterwards whether the breaker opened meanwhile.
+        self.openings = 0
         self._failures = 0
         self._opened_at = 0.0
         self._trial_started = 0.0
-        self._openings = 0
-
-    @property
-    def state(self) -> BreakerState:
-        with self._lock:
-            return self._state
-
-    @property
-    def openings(self) -> int:
-        """How many times the breaker has opened: a caller that notes it before a
-        wait knows afterwards whether the breaker opened meanwhile."""
-        return self._openings
 
     def allow(self) -> bool:
         """Whether a call may go to the server now. Open: no, until the cooldown has
@@ -79,13 +63,13 @@ class CircuitBreaker:
         new trial is granted.
         """
         with self._lock:
-            if self._state is BreakerState.CLOSED:
+            if self.state is BreakerState.CLOSED:
                 return True
             now = self.clock()
-            if self._state is BreakerState.OPEN:
+            if self.state is BreakerState.OPEN:
                 if now - self._opened_at < self.cooldown:
                     return False
-                self._state = BreakerState.HALF_OPEN
+                self.state = BreakerState.HALF_OPEN
                 self._trial_started = now
                 return True
             if now - self._trial_started < self.cooldown:
@@ -93,36 +77,36 @@ class CircuitBreaker:
             self._trial_started = now
             return True
 
-    def success(self) -> Transition:
+    def success(self) -> bool:
+        """Report a call the server answered; whether that closed the breaker."""
         with self._lock:
-            if self._state is BreakerState.HALF_OPEN:
-                self._state = BreakerState.CLOSED
+            if self.state is BreakerState.HALF_OPEN:
+                self.state = BreakerState.CLOSED
                 self._failures = 0
-                return Transition.CLOSED
-            if self._state is BreakerState.CLOSED:
+                return True
+            if self.state is BreakerState.CLOSED:
                 self._failures = 0
             # OPEN: a call that began before the breaker opened; it proves
             # little about now, so the cooldown runs its course.
-            return Transition.NONE
+            return False
 
-    def failure(self) -> Transition:
+    def failure(self) -> bool:
+        """Report a failed call; whether that opened the breaker."""
         with self._lock:
-            if self._state is BreakerState.HALF_OPEN:
-                self._open()
-                return Transition.OPENED
-            if self._state is BreakerState.CLOSED:
+            if self.state is BreakerState.CLOSED:
                 self._failures += 1
-                if self._failures >= self.threshold:
-                    self._open()
-                    return Transition.OPENED
-            # OPEN: a straggler from before the opening; the cooldown is not extended.
-            return Transition.NONE
+            # OPEN: a straggler from before the opening, which counts no failure
+            # (none are counted while open), so the cooldown is not extended.
+            opens = self.state is BreakerState.HALF_OPEN or self._failures >= self.threshold
+            if opens:
+                self._open()
+            return opens
 
     def _open(self) -> None:
-        self._state = BreakerState.OPEN
+        self.state = BreakerState.OPEN
         self._opened_at = self.clock()
         self._failures = 0
-        self._openings += 1
+        self.openings += 1
 
     def __repr__(self) -> str:
         return f"<CircuitBreaker {self.state.value} threshold={self.threshold}>"

@@ -46,7 +46,7 @@ import redis.cluster
 import redis.exceptions
 import redis.retry
 
-from ..circuit import BreakerState, CircuitBreaker, Transition
+from ..circuit import BreakerState, CircuitBreaker
 from ..digests import log_key
 from ..observer import Observer
 from ..settings import Settings
@@ -244,14 +244,14 @@ class RedisCache(ResponseCache):
                 type(exc).__name__,
                 _short(exc),
             )
-            if self.breaker.failure() is Transition.OPENED:
+            if self.breaker.failure():
                 log.warning(
                     "idempotency: redis circuit breaker open; skipping redis for %.1f s",
                     self.breaker.cooldown,
                 )
                 self._observer.breaker_changed(BreakerState.OPEN.value)
             return None
-        if self.breaker.success() is Transition.CLOSED:
+        if self.breaker.success():
             log.info("idempotency: redis answers again; circuit breaker closed")
             self._observer.breaker_changed(BreakerState.CLOSED.value)
         return result

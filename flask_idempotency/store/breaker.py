@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..circuit import BreakerState, CircuitBreaker, Transition
+from ..circuit import BreakerState, CircuitBreaker
 from ..observer import Observer
 from . import driver
 from .base import BreakerOpenError
@@ -65,14 +65,14 @@ class StoreBreaker(CircuitBreaker):
 
     def answered(self) -> None:
         """PostgreSQL answered a statement (whatever the answer)."""
-        if self.success() is Transition.CLOSED:
+        if self.success():  # it closed the breaker
             log.info("idempotency: PostgreSQL answers again; store circuit breaker closed")
             self._report(BreakerState.CLOSED)
 
     def failed(self, reason: str = "no answer before the deadline") -> None:
         """PostgreSQL did not answer: ``reason`` names how (an exception's class, never
         a key or a statement's parameters)."""
-        if self.failure() is Transition.OPENED:
+        if self.failure():  # it opened the breaker
             log.warning(
                 "idempotency: PostgreSQL is not answering (%s); store circuit breaker open, "
                 "requests answer 503 at once for %.1f s, then one probes",

@@ -35,7 +35,7 @@ from flask_idempotency import Idempotency
 from flask_idempotency.cache import codec
 from flask_idempotency.cache.keyring import TAG_SIZE
 from flask_idempotency.cache.redis import RedisCache
-from flask_idempotency.circuit import BreakerState, CircuitBreaker, Transition
+from flask_idempotency.circuit import BreakerState, CircuitBreaker
 from flask_idempotency.digests import record_key
 from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.settings import Settings
@@ -883,27 +883,27 @@ def test_breaker_opens_after_consecutive_failures_only() -> None:
     clock = FakeClock()
     breaker = CircuitBreaker(3, 5.0, clock=clock)
     for _ in range(5):  # a success in between resets the count
-        assert breaker.failure() is Transition.NONE
-        assert breaker.failure() is Transition.NONE
+        assert breaker.failure() is False
+        assert breaker.failure() is False
         breaker.success()
     assert breaker_state(breaker) is BreakerState.CLOSED
     breaker.failure()
     breaker.failure()
-    assert breaker.failure() is Transition.OPENED
+    assert breaker.failure() is True  # this one opened it
     assert not breaker.allow()
-    assert breaker.failure() is Transition.NONE  # a straggler does not extend the cooldown
+    assert breaker.failure() is False  # a straggler does not extend the cooldown
     clock.advance(4.9)
     assert not breaker.allow()
     clock.advance(0.1)
     assert breaker.allow()  # the trial
     assert breaker_state(breaker) is BreakerState.HALF_OPEN
     assert not breaker.allow()  # one trial at a time
-    assert breaker.failure() is Transition.OPENED  # failed trial: another full cooldown
+    assert breaker.failure() is True  # failed trial: another full cooldown
     clock.advance(4.9)
     assert not breaker.allow()
     clock.advance(0.1)
     assert breaker.allow()
-    assert breaker.success() is Transition.CLOSED
+    assert breaker.success() is True  # the trial's success closed it
     assert breaker.allow() and breaker.allow()
 
 
