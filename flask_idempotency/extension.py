@@ -102,23 +102,23 @@ class Idempotency:
         """
         if find_app_state(app) is not None:
             raise RuntimeError("flask_idempotency is already initialised on this app")
-        joins = db is not None or engine is not None
-        settings = settings_from_config(
-            app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
-        )
-        sessions = None
+        joins = db is not None or engine is not None or session is not None
         max_overflow: int | None = None
-        if not joins and "sqlalchemy" in app.extensions:
+        if joins:
+            from . import sqlalchemy_session  # SQLAlchemy is imported only by its users
+
+            engine, session, max_overflow = sqlalchemy_session.from_app(app, db, engine, session)
+        elif "sqlalchemy" in app.extensions:
             log.warning(
                 "idempotency: this app uses Flask-SQLAlchemy, but the extension was not "
                 "given it: writes through db.session in a decorated view do not commit "
                 "with the stored answer. Use Idempotency(app, db=db)."
             )
-        if joins:
-            from . import sqlalchemy_session  # SQLAlchemy is imported only by its users
-
-            engine, session, max_overflow = sqlalchemy_session.from_app(app, db, engine, session)
+        settings = settings_from_config(
+            app.config.get_namespace("IDEMPOTENCY_"), engine_given=joins
+        )
         store: PostgresStore | MemoryStore
+        sessions = None
         if is_memory_url(settings.database_url):
             store = MemoryStore()
         else:

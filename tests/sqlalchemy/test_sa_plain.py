@@ -104,3 +104,13 @@ def test_unclaimed_route_commits_on_its_own(plain_app: Flask, dialect_url: str) 
     assert rows(dialect_url, label) == ["first"]
     label = new_label("plain-sa-unclaimed")
     assert post(plain_app, label, "/plain-transfers").get_json()["seen_elsewhere"] == 1
+
+
+def test_a_session_without_its_engine_is_refused_at_init_app() -> None:
+    """``session=`` joins the view's writes to the engine's transaction, so it comes
+    with ``engine=``; alone it is refused by name, not left to fail later."""
+    app = Flask("session_only")
+    app.config["IDEMPOTENCY_DATABASE_URL"] = "postgresql://unused@127.0.0.1:9/x"
+    session = scoped_session(sessionmaker())
+    with pytest.raises(TypeError, match="engine= must be a sqlalchemy.engine.Engine"):
+        Idempotency(app, session=session)
