@@ -34,6 +34,7 @@ import logging
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
+import alembic.util
 from alembic.autogenerate import comparators
 from alembic.util import CommandError
 
@@ -42,7 +43,7 @@ from flask_idempotency.store import migrations
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
     from alembic.operations import Operations
-    from alembic.operations.ops import MigrateOperation, UpgradeOps
+    from alembic.operations.ops import UpgradeOps
     from sqlalchemy.engine.interfaces import DBAPICursor
 
 log = logging.getLogger(__name__)
@@ -53,15 +54,12 @@ def register_autogenerate_filter() -> None:
     """Make Alembic's autogenerate leave the extension's tables alone, in every
     migration environment of this process. Done when this module is imported;
     calling it again does nothing."""
-    try:
-        from alembic.util import DispatchPriority
-    except ImportError:  # Alembic < 1.18: comparators run in the order registered,
-        # and Alembic registered its own when alembic.autogenerate was imported.
-        comparators.dispatch_for("schema")(_leave_extension_tables_alone)
-    else:  # Alembic >= 1.18 runs them by priority: LAST comes after its own.
-        comparators.dispatch_for("schema", priority=DispatchPriority.LAST)(
-            _leave_extension_tables_alone
-        )
+    # Alembic >= 1.18 runs comparators by priority: LAST comes after its own. Before,
+    # they run in the order registered, and Alembic registered its own when
+    # alembic.autogenerate was imported.
+    priority = getattr(alembic.util, "DispatchPriority", None)
+    options = {} if priority is None else {"priority": priority.LAST}
+    comparators.dispatch_for("schema", **options)(_leave_extension_tables_alone)
 
 
 def _leave_extension_tables_alone(
@@ -77,14 +75,14 @@ def _leave_extension_tables_alone(
     """
     dialect = autogen_context.dialect
     own_schemas = {None, dialect.default_schema_name if dialect is not None else None}
-    upgrade_ops.ops = [op for op in upgrade_ops.ops if not _is_extensions(op, own_schemas)]
-
-
-def _is_extensions(op: MigrateOperation, own_schemas: Collection[str | None]) -> bool:
     # Every table-level operation (create, drop, ModifyTableOps and the index,
     # column and constraint operations it holds) carries table_name and schema.
-    table = getattr(op, "table_name", None)
-    return table in migrations.TABLES and getattr(op, "schema", None) in own_schemas
+    upgrade_ops.ops = [
+        op
+        for op in upgrade_ops.ops
+        if getattr(op, "table_name", None) not in migrations.TABLES
+        or getattr(op, "schema", None) not in own_schemas
+    ]
 
 
 def upgrade_schema(op: Operations, *, extra_dirs: Sequence[str] = ()) -> list[str]:
