@@ -30,7 +30,7 @@ from typing import Any
 
 from flask import Flask
 
-from flask_idempotency.responses import REPLAYED_HEADER
+from flask_idempotency.profiles import STRIPE
 
 from . import app as bench_app
 from . import cpu
@@ -94,7 +94,7 @@ def caller(wsgi: Flask) -> Callable[[dict[str, Any]], Answer]:
         answer: list[Answer] = []
 
         def start_response(status: str, headers: Any, exc_info: Any = None) -> Any:
-            answer.append((status, dict(headers).get(REPLAYED_HEADER)))
+            answer.append((status, dict(headers).get(STRIPE.replayed_header)))
             return None
 
         for _chunk in wsgi(environ, start_response):

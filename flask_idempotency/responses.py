@@ -16,9 +16,6 @@ from flask import Response
 from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, SHOULD_RETRY_HEADER, STRIPE, Profile
 from .store.base import StoredResponse
 
-#: The default (stripe) profile's marker; the ietf profile's is ``Idempotency-Replayed``.
-REPLAYED_HEADER = STRIPE.replayed_header
-
 #: Not replayed: hop-by-hop headers, per-answer headers the server sets again,
 #: the length (recomputed), cookies (a replay must never hand out a session),
 #: and our own markers.

@@ -109,18 +109,11 @@ class RedisCache(ResponseCache):
         #: Told of lookups, failures and the breaker (``attach_observer``).
         self._observer = Observer()
 
-    def key(self, record_key: bytes) -> str:
-        """The Redis key of a record's entry (``RuntimeError`` while the database's
-        identity is unknown: the cache is then skipped)."""
-        ring = self.keyring.get()
-        if ring is None:
-            raise RuntimeError("the database's identity is not known yet")
-        return self._key(ring, record_key)
-
     def prepare(self) -> None:
         self.keyring.get()  # (a failure is logged, and tried again later)
 
     def _key(self, ring: Keyring, record_key: bytes) -> str:
+        """The Redis key of a record's entry (see the module's docstring)."""
         return f"{self.prefix}:{ring.namespace}:{{{record_key.hex()}}}"
 
     def attach_observer(self, observer: Observer) -> None:

@@ -22,6 +22,13 @@ def standalone(settings: Settings, **options: Any) -> RedisCache:
     return RedisCache(settings, secrets=[SECRET.encode()], identity=lambda: IDENTITY, **options)
 
 
+def redis_key(cache: RedisCache, record_key: bytes) -> str:
+    """The Redis key of a record's entry: ``{prefix}:{<database identity>}:{<hex>}``."""
+    ring = cache.keyring.get()
+    assert ring is not None, "the database's identity is not known yet"
+    return f"{cache.prefix}:{ring.namespace}:{{{record_key.hex()}}}"
+
+
 def rebuilt(app: Flask, **options: Any) -> RedisCache:
     """A new cache for ``app``, as ``init_app`` builds it (its secret, its database)."""
     state = app.extensions["idempotency"]

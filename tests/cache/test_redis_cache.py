@@ -43,7 +43,7 @@ from flask_idempotency.store.base import StoredResponse
 from support.forking import in_forked_child
 from support.servers import ProxyFactory, ThrowawayRedis
 
-from .caches import SECRET, rebuilt, standalone
+from .caches import SECRET, rebuilt, redis_key, standalone
 
 # -- counting PostgreSQL ------------------------------------------------------
 
@@ -279,7 +279,7 @@ def test_fill_on_replay_copies_a_response_only_once_it_is_retried(
     first = pay(client, "k1", amount=1500)
     assert outcome(first)[:2] == (201, "false")
     assert sent == ["GET"]  # the miss only: nothing is copied yet
-    assert r.get(cache.key(record_key(authorization_digest("Bearer a"), "k1"))) is None
+    assert r.get(redis_key(cache, record_key(authorization_digest("Bearer a"), "k1"))) is None
 
     sent.clear()
     reset_pg_counts()
@@ -339,7 +339,7 @@ def test_large_binary_body_is_compressed_and_replayed_byte_for_byte(
     first = client.post("/blob", data=b"x", headers=headers)
     assert first.data == BLOB
 
-    raw = r.get(redis_cache(app).key(rkey("blob-1", "Bearer blob")))
+    raw = r.get(redis_key(redis_cache(app), rkey("blob-1", "Bearer blob")))
     assert raw is not None
     assert raw[1] & codec.FLAG_COMPRESSED and len(raw) < len(BLOB) // 2
 
@@ -380,7 +380,7 @@ def test_processing_and_unstored_answers_are_never_cached(
 ) -> None:
     app = make_pay_app()
     client = app.test_client()
-    cache_key = redis_cache(app).key(rkey("k1"))
+    cache_key = redis_key(redis_cache(app), rkey("k1"))
     seen_during_view: list[int] = []
     app.extensions["during_view"] = lambda: seen_during_view.append(r.exists(cache_key))
 
@@ -390,9 +390,9 @@ def test_processing_and_unstored_answers_are_never_cached(
 
     for key, status in (("k400", 400), ("k409", 409), ("k500", 500), ("k503", 503)):
         assert pay(client, key, status=status).status_code == status
-        assert r.exists(redis_cache(app).key(rkey(key))) == 0
+        assert r.exists(redis_key(redis_cache(app), rkey(key))) == 0
     assert pay(client, "k402", status=402).status_code == 402  # a stored decline
-    assert r.exists(redis_cache(app).key(rkey("k402"))) == 1
+    assert r.exists(redis_key(redis_cache(app), rkey("k402"))) == 1
 
 
 #: Every kind of answer: first run, replay, 422, stored 402, unstored 400/500.
@@ -488,7 +488,7 @@ def test_cached_entry_never_outlives_the_record(
     pay(client, "k1", amount=1)
 
     left = pg_seconds_left(clean_db, key)  # read first: the record only gets older
-    pttl = r.pttl(cache.key(key))
+    pttl = r.pttl(redis_key(cache, key))
     assert 110_000 < pttl <= left * 1000
 
     # A PostgreSQL replay repopulates with the record's remaining TTL.
@@ -501,13 +501,13 @@ def test_cached_entry_never_outlives_the_record(
     r.flushdb()
     assert pay(client, "k1", amount=1).headers["Idempotent-Replayed"] == "true"
     left = pg_seconds_left(clean_db, key)
-    pttl = r.pttl(cache.key(key))
+    pttl = r.pttl(redis_key(cache, key))
     assert 0 < pttl <= left * 1000 <= 3000
 
     # A record at the end of its life is not cached at all.
     cache.put(rkey("k9"), b"f" * 32, StoredResponse(201, (), b"x"), 0.0004)  # < 1 ms
     cache.put(rkey("k9"), b"f" * 32, StoredResponse(201, (), b"x"), -5)
-    assert r.exists(cache.key(rkey("k9"))) == 0
+    assert r.exists(redis_key(cache, rkey("k9"))) == 0
 
 
 def test_unreadable_entry_is_a_miss_and_gets_replaced(
@@ -515,7 +515,7 @@ def test_unreadable_entry_is_a_miss_and_gets_replaced(
 ) -> None:
     app = make_pay_app()
     client = app.test_client()
-    cache_key = redis_cache(app).key(rkey("k1"))
+    cache_key = redis_key(redis_cache(app), rkey("k1"))
     first = pay(client, "k1", amount=1)
 
     good = r.get(cache_key)
@@ -652,7 +652,7 @@ def test_purge_evicts_the_cached_copies(
     pay(client, "old", amount=1)
     pay(client, "new", amount=2)
     cache = redis_cache(app)
-    assert r.exists(cache.key(rkey("old")), cache.key(rkey("new"))) == 2
+    assert r.exists(redis_key(cache, rkey("old")), redis_key(cache, rkey("new"))) == 2
     execute(
         clean_db,
         "UPDATE idempotency_records SET expires_at = now() - interval '1 second'"
@@ -662,8 +662,8 @@ def test_purge_evicts_the_cached_copies(
     result = app.test_cli_runner().invoke(args=["idempotency", "purge"])
     assert result.exit_code == 0, result.output
     assert "1 expired record(s) deleted" in result.output
-    assert r.exists(cache.key(rkey("old"))) == 0
-    assert r.exists(cache.key(rkey("new"))) == 1
+    assert r.exists(redis_key(cache, rkey("old"))) == 0
+    assert r.exists(redis_key(cache, rkey("new"))) == 1
 
 
 def test_unlock_evicts_the_key(make_pay_app: MakeApp, r: redis.Redis[bytes]) -> None:
@@ -682,7 +682,7 @@ def test_unlock_evicts_the_key(make_pay_app: MakeApp, r: redis.Redis[bytes]) -> 
         env={"IDEMPOTENCY_CLIENT_AUTHORIZATION": "Bearer a"},
     )
     assert result.exit_code == 0, result.output
-    assert r.exists(redis_cache(app).key(key)) == 0
+    assert r.exists(redis_key(redis_cache(app), key)) == 0
 
 
 # -- the client: configuration, handshake, fork ----------------------------------------

@@ -34,7 +34,7 @@ from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.store.base import StoredResponse
 from flask_idempotency.store.identity import database_identity
 
-from .caches import SECRET
+from .caches import SECRET, redis_key
 
 AUTH = "Bearer victim"
 EVIL = "https://evil.example/phish"
@@ -186,7 +186,7 @@ def test_an_entry_planted_before_the_first_request_never_skips_the_view(
         [b"a guessed secret"], database_identity(app.extensions["idempotency"].store)
     )
     for key in ("victim-1", "victim-2"):
-        target = cache.key(rkey(key))
+        target = redis_key(cache, rkey(key))
         # A random tag, then one made with a guessed secret.
         ring = None if key == "victim-1" else wrong_ring
         r.set(
@@ -219,7 +219,7 @@ def test_a_rewritten_entry_is_a_miss_and_postgresql_replays_the_true_answer(
     app = make()
     seen = watch(app)
     first = charge(app, "k1")
-    target = cache_of(app).key(rkey("k1"))
+    target = redis_key(cache_of(app), rkey("k1"))
     ring = cache_of(app).keyring.get()
     genuine = r.get(target)
     assert genuine is not None and ring is not None
@@ -251,9 +251,9 @@ def test_an_entry_moved_to_another_key_does_not_verify(
     seen = watch(app)
     charge(app, "mine", amount=1)
     cache = cache_of(app)
-    genuine = r.get(cache.key(rkey("mine")))
+    genuine = r.get(redis_key(cache, rkey("mine")))
     assert genuine is not None
-    r.set(cache.key(rkey("theirs")), genuine)
+    r.set(redis_key(cache, rkey("theirs")), genuine)
     theirs = charge(app, "theirs", amount=1)
     assert theirs.headers["Idempotent-Replayed"] == "false"
     assert len(app.extensions["runs"]) == 2
@@ -269,7 +269,7 @@ def test_a_replay_never_carries_set_cookie_or_cors_headers_whatever_redis_holds(
     app = make()
     first = charge(app, "k1")
     cache = cache_of(app)
-    target = cache.key(rkey("k1"))
+    target = redis_key(cache, rkey("k1"))
     fingerprint = fingerprint_of(app, "k1")
     ring = cache.keyring.get()
     assert ring is not None
@@ -309,18 +309,18 @@ def test_two_deployments_sharing_one_redis_never_see_each_others_entries(
     assert len(two.extensions["runs"]) == 1 and rows(fresh_database_url) == 1
     assert answer.data == first.data  # (same view, same first id: but its own run)
     names = {k.decode() for k in r.keys("idempotency:*")}
-    assert len(names) == 2 and cache_of(one).key(rkey("same-key")) != cache_of(two).key(
-        rkey("same-key")
+    assert len(names) == 2 and redis_key(cache_of(one), rkey("same-key")) != redis_key(
+        cache_of(two), rkey("same-key")
     )
 
     # Deployment one's genuine entry copied under deployment two's key: refused.
     seen = watch(two)
-    genuine = r.get(cache_of(one).key(rkey("other-key")))
+    genuine = r.get(redis_key(cache_of(one), rkey("other-key")))
     assert genuine is None
     charge(one, "other-key")
-    genuine = r.get(cache_of(one).key(rkey("other-key")))
+    genuine = r.get(redis_key(cache_of(one), rkey("other-key")))
     assert genuine is not None
-    r.set(cache_of(two).key(rkey("other-key")), genuine)
+    r.set(redis_key(cache_of(two), rkey("other-key")), genuine)
     assert charge(two, "other-key").headers["Idempotent-Replayed"] == "false"
     assert seen.reasons == ["unverified"]
 
@@ -345,13 +345,13 @@ def test_an_old_format_entry_is_never_replayed(
 
     old_key = f"idempotency:{{{rkey('rolling').hex()}}}"
     r.set(old_key, version_1(b'{"id": "old"}'))
-    r.set(cache.key(rkey("rolling")), version_1(b'{"id": "old"}'))
+    r.set(redis_key(cache, rkey("rolling")), version_1(b'{"id": "old"}'))
     answer = charge(app, "rolling")
     assert answer.headers["Idempotent-Replayed"] == "false" and b"old" not in answer.data
     assert seen.reasons == ["version"]
     assert rows(clean_db) == 2
     # Our own entry now sits at the new key; the 0.2.x key holds only what 0.2.x wrote.
-    ours = r.get(cache.key(rkey("rolling")))
+    ours = r.get(redis_key(cache, rkey("rolling")))
     assert ours is not None and ours[:1] == codec.VERSION_BYTE
     assert r.get(old_key) == version_1(b'{"id": "old"}')
 
@@ -369,7 +369,7 @@ def test_rotated_secrets_verify_through_the_fallbacks(make: MakeApp, r: redis.Re
 
     forgotten = make(SECRET_KEY="the-new-secret")  # the old secret dropped
     seen = watch(forgotten)
-    r.set(cache_of(forgotten).key(rkey("k2")), b"")  # (an empty value: another kind of junk)
+    r.set(redis_key(cache_of(forgotten), rkey("k2")), b"")  # (an empty value: another kind of junk)
     charge(old, "k3")
     assert charge(forgotten, "k3").headers["Idempotent-Replayed"] == "true"  # from PostgreSQL
     assert seen.reasons == ["unverified"]
@@ -385,7 +385,7 @@ def test_an_authentic_entry_past_its_records_expiry_is_a_miss(
     seen = watch(app)
     charge(app, "k1")
     cache = cache_of(app)
-    target = cache.key(rkey("k1"))
+    target = redis_key(cache, rkey("k1"))
     ring = cache.keyring.get()
     assert ring is not None
     genuine = r.get(target)
