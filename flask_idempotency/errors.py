@@ -19,6 +19,7 @@ from .store.base import SchemaMismatchError, StoreUnavailableError
 class IdempotencyError(HTTPException):
     """Base class: a JSON error with ``type: idempotency_error`` and a stable ``error_code``."""
 
+    #: A 400 unless a subclass says otherwise: the request itself is refused.
     code = 400
     error_type = "idempotency_error"
     error_code = "idempotency_error"
@@ -57,14 +58,12 @@ class IdempotencyError(HTTPException):
 
 
 class MissingKey(IdempotencyError):
-    code = 400
     title = "Idempotency-Key missing"
     error_code = "missing_key"
     description = "This endpoint requires an Idempotency-Key header."
 
 
 class InvalidKey(IdempotencyError):
-    code = 400
     title = "Invalid Idempotency-Key"
     error_code = "invalid_key"
     description = (
@@ -85,7 +84,6 @@ class ScopeUnavailable(IdempotencyError):
     succeed. Send credentials, or configure ``IDEMPOTENCY_SCOPE_FUNC``.
     """
 
-    code = 400
     title = "No principal to scope the key to"
     error_code = "missing_scope"
     description = (
@@ -101,7 +99,6 @@ class MalformedBody(IdempotencyError):
     """The request body could not be read (broken chunked framing, a client gone
     mid-body): a 400 before anything is claimed, never a 500."""
 
-    code = 400
     title = "Unreadable request body"
     error_type = "invalid_request_error"
     error_code = "malformed_body"
