@@ -100,11 +100,10 @@ def seconds(name: str, value: float | timedelta | None, *, allow_zero: bool) -> 
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"idempotency route option {name}= must be a number of seconds")
-    number = float(value)
-    if math.isnan(number) or math.isinf(number) or number < 0 or (number == 0 and not allow_zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         qualifier = "0 or more" if allow_zero else "positive"
         raise ValueError(f"idempotency route option {name}= must be {qualifier}, got {value!r}")
-    return number
+    return float(value)
 
 
 def route_options(
