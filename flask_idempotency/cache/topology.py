@@ -127,10 +127,9 @@ def client_for(url: str, timeout: float, connection_options: dict[str, Any]) -> 
         "socket_connect_timeout": timeout,
         "username": spec.username,
         "password": spec.password,
+        "ssl": spec.ssl,
         **connection_options,
     }
-    if spec.ssl:
-        common["ssl"] = True
     if spec.kind == "sentinel":
         assert spec.service is not None
         sentinel = redis.sentinel.Sentinel(
