@@ -77,31 +77,28 @@ def ungroup(config: Mapping[str, Any]) -> dict[str, Any]:
     silently run with the default, and a warning is easy to miss in a deploy log.
     """
     flat: dict[str, Any] = {}
-    groups: dict[str, Any] = {}
     for raw_name, value in config.items():
-        name = raw_name.lower()
-        if name in OPTION_GROUPS:
-            groups[name] = value
-        elif name in GROUPED:
-            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: use {config_key(name)}")
-        elif name in REMOVED_KEYS:
-            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: {REMOVED_KEYS[name]}")
-        else:
-            flat[name] = value
-    for group, raw in groups.items():
-        if raw is None:
+        group = raw_name.lower()
+        if group in GROUPED:
+            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: use {config_key(group)}")
+        if group in REMOVED_KEYS:
+            raise ValueError(f"IDEMPOTENCY_{raw_name.upper()} was removed: {REMOVED_KEYS[group]}")
+        if group not in OPTION_GROUPS:
+            flat[group] = value  # a setting's own key
             continue
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"IDEMPOTENCY_{group.upper()} must be a mapping, got {raw!r}")
-        for option, value in raw.items():
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise ValueError(f"IDEMPOTENCY_{group.upper()} must be a mapping, got {value!r}")
+        for option, option_value in value.items():
             field = OPTION_GROUPS[group].get(str(option))
             gone = REMOVED_OPTIONS.get((group, str(option)))
             if gone is not None:
                 raise ValueError(f"IDEMPOTENCY_{group.upper()}[{option!r}] was removed: {gone}")
             if field is not None:
-                flat[field] = value
+                flat[field] = option_value
             elif group == "database_options":  # a libpq connection parameter
-                flat.setdefault("connect_kwargs", {})[str(option)] = value
+                flat.setdefault("connect_kwargs", {})[str(option)] = option_value
             else:
                 raise ValueError(
                     f"Unknown option {option!r} in IDEMPOTENCY_{group.upper()} "

@@ -17,7 +17,7 @@ They do two jobs:
   removes the directory it made. Without prometheus-client they do nothing.
 - **The pool against the threads.** ``post_worker_init`` logs a WARNING when a
   worker has more threads than the extension's pool has connections
-  (:func:`~flask_idempotency.workers.check_worker`).
+  (:func:`check_worker`).
 
 gunicorn reads one function per hook name. If your gunicorn.conf.py has a hook
 of its own with one of these names, call ours from it instead of importing the
@@ -44,7 +44,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .workers import check_worker
+from .workers import check_pool_size as check_pool_size  # documented here too (api.md)
+from .workers import check_worker as check_worker
 
 __all__ = ["child_exit", "on_exit", "on_starting", "post_worker_init"]
 
