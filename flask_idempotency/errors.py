@@ -151,9 +151,8 @@ class StoreUnavailable(IdempotencyError, StoreUnavailableError):
     final = False
 
     def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
-        super().__init__(description, retry_after=retry_after)
-        if retry_after is None:
-            self.retry_after = current_retry_after()
+        wait = current_retry_after() if retry_after is None else retry_after
+        super().__init__(description, retry_after=wait)
 
 
 class SchemaMissing(IdempotencyError, SchemaMismatchError):
