@@ -110,7 +110,7 @@ def purge(dry_run: bool, batch_size: int, yes: bool, progress_interval: float) -
     state = command_state()
     try:
         records = state.store.count_expired()
-        events = outbox.count_expired(state.store)
+        events = int(outbox.counts(state.store)["expired"])
     except StoreUnavailableError as exc:
         raise click.ClickException(str(exc)) from exc
     if dry_run:  # both counts, even 0: what the purge would delete, rows of each table
