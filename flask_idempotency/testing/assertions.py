@@ -146,31 +146,25 @@ def _send_until_final(request: _Request, deadline: float) -> Answer:
         pause = min(pause * 2, 0.1)
 
 
-def _encode(
-    json: Any, data: bytes | str | None, headers: dict[str, str]
-) -> tuple[bytes | None, Any]:
-    """The body to send, and the parsed JSON it holds (``_MISSING`` if none)."""
-    if json is not _MISSING:
-        if data is not None:
-            raise TypeError("pass json= or data=, not both")
-        if not any(name.lower() == "content-type" for name in headers):
-            headers["Content-Type"] = "application/json"
-        return jsonlib.dumps(json).encode("utf-8"), json
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    if data is None:
-        return None, _MISSING
-    try:
-        return data, jsonlib.loads(data)
-    except ValueError:
-        return data, _MISSING
+def _encode(json: Any, data: bytes | str | None, headers: dict[str, str]) -> bytes | None:
+    """The body to send: ``json`` serialised (``Content-Type: application/json``
+    unless ``headers`` name one), else ``data``."""
+    if json is _MISSING:
+        return data.encode("utf-8") if isinstance(data, str) else data
+    if data is not None:
+        raise TypeError("pass json= or data=, not both")
+    if not any(name.lower() == "content-type" for name in headers):
+        headers["Content-Type"] = "application/json"
+    return jsonlib.dumps(json).encode("utf-8")
 
 
-def _mismatched(parsed: Any, body: bytes | None) -> bytes:
+def _mismatched(body: bytes | None) -> bytes:
     """A body the extension must see as different from ``body``: another JSON value
     when ``body`` is JSON (whitespace or key order would not do), else other bytes."""
     marker = f"assert_idempotent:{secrets.token_hex(4)}"
-    if parsed is _MISSING:
+    try:
+        parsed = jsonlib.loads(body or b"")
+    except ValueError:
         return (body or b"") + marker.encode("ascii")
     if isinstance(parsed, dict):
         changed: Any = {**parsed, "_assert_idempotent_probe": marker}
@@ -243,7 +237,7 @@ def assert_idempotent(
             given = sent_headers.pop(name)  # sent once, under key_header
             key = key or given
     sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
-    body, parsed = _encode(json, data, sent_headers)
+    body = _encode(json, data, sent_headers)
     sent = _Request(url, method, sent_headers, body, timeout)
 
     started_executions = executions() if executions is not None else 0
@@ -340,7 +334,7 @@ def assert_idempotent(
             )
 
     before_probe = executions() if executions is not None else 0
-    probe = _send(dataclasses.replace(sent, body=_mismatched(parsed, body)))
+    probe = _send(dataclasses.replace(sent, body=_mismatched(body)))
     if probe.status != 422:
         problems.append(
             f"the same key with a different body answered {probe.status}, expected 422 "
