@@ -90,5 +90,6 @@ class LiveServer:
 
 def serve_app(app: Flask) -> LiveServer:
     """``with serve_app(app) as server:`` the app answers at ``server.url`` until the
-    block ends (a :class:`LiveServer`, not started until the block begins)."""
+    block ends (a :class:`~flask_idempotency.testing.live_server.LiveServer`, not
+    started until the block begins)."""
     return LiveServer(app)
