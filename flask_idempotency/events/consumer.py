@@ -227,16 +227,16 @@ class ConsumerGuard:
             )
         if earlier is None:
             return Result(ConsumerOutcome.FENCED, reason="lease_lost", error=exc)
-        attempts = earlier + 1
+        attempts, limit = earlier + 1, self.options.max_attempts
         log.warning(
-            "consumer %s: handler failed on key %s (attempt %d of %d): %s",
+            "consumer %s: handler failed on key %s (attempt %d%s): %s",
             name,
             keys.log_key(record_key),
             attempts,
-            self.options.max_attempts,
+            "" if limit is None else f" of {limit}",
             type(exc).__name__,
         )
-        if attempts >= self.options.max_attempts or self.gives_up(exc):
+        if (limit is not None and attempts >= limit) or self.gives_up(exc):
             result = Result(
                 ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
             )
