@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from flask import Flask, current_app
@@ -236,21 +235,19 @@ class ConsumerGuard:
             "" if limit is None else f" of {limit}",
             type(exc).__name__,
         )
-        if (limit is not None and attempts >= limit) or self.gives_up(exc):
-            result = Result(
-                ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
-            )
-            if self._copy_to_dead_letter(dead_letter, delivery, result, error):
-                self._best_effort(store.release_claim, record_key, token)
-                return result
-        self._best_effort(store.fail_attempt, record_key, token)
-        return Result(
-            ConsumerOutcome.RETRY,
-            self.retry_delay(attempts),
-            "handler_failed",
-            attempts=attempts,
-            error=exc,
+        result = Result(
+            ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
         )
+        final = (limit is not None and attempts >= limit) or self.gives_up(exc)
+        final = final and self._copy_to_dead_letter(dead_letter, delivery, result, error)
+        try:  # dead-lettered: released; else its lease ends now, for the next delivery
+            (store.release_claim if final else store.fail_attempt)(record_key, token)
+        except StoreUnavailableError as failure:  # the lease lapses, with the same effect
+            log.warning("consumer %s: could not record the attempt: %s", name, failure)
+        if final:
+            return result
+        delay = self.retry_delay(attempts)
+        return Result(ConsumerOutcome.RETRY, delay, "handler_failed", attempts=attempts, error=exc)
 
     def _given_up(
         self, attempt: Attempt, delivery: Delivery, dead_letter: DeadLetter | None
@@ -324,13 +321,3 @@ class ConsumerGuard:
             log.error("consumer %s: dead-lettering failed: %s", name, error)
             return False
         return True
-
-    @staticmethod
-    def _best_effort(
-        operation: Callable[[bytes, int], None], record_key: bytes, token: int
-    ) -> None:
-        """If PostgreSQL is away the lease lapses, with the same effect."""
-        try:
-            operation(record_key, token)
-        except StoreUnavailableError as exc:
-            log.warning("consumer: could not record the attempt: %s", exc)
