@@ -131,7 +131,5 @@ def current_retry_after() -> int:
 
 
 def install(app: Flask, state: AppState) -> None:
-    """Put ``state`` on ``app``; a second ``init_app`` on one app is a mistake."""
-    if EXTENSION_KEY in app.extensions:
-        raise RuntimeError("flask_idempotency is already initialised on this app")
+    """Put ``state`` on ``app`` (``init_app`` refused a second one on its first line)."""
     app.extensions[EXTENSION_KEY] = state
