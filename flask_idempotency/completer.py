@@ -195,10 +195,13 @@ class Recoverer:
                 attempt.adopt(taken.token, dict(taken.phases))  # phase() adds to them
                 outcome = self._run(attempt, abandoned, options.recover, label)
         # Closed: what the recovery did not complete is rolled back.
-        if outcome is RecoveryOutcome.RELEASED:
-            return self._release(taken)
         if outcome is RecoveryOutcome.DEFERRED:
             return self._hand_back(taken)
+        if outcome is RecoveryOutcome.RELEASED:
+            keep = bool(taken.phases)  # their writes stand: kept for a retry to resume
+            if not self.store.release_abandoned(taken.record_key, taken.token, keep_phases=keep):
+                return RecoveryOutcome.FENCED
+            log.info("idempotency recover: key %s released", label)
         return outcome
 
     def _run(
@@ -259,15 +262,6 @@ class Recoverer:
             return RecoveryOutcome.DEFERRED
         log.info("idempotency recover: key %s recovered (%d)", label, stored.status)
         return RecoveryOutcome.RECOVERED
-
-    def _release(self, taken: Taken) -> RecoveryOutcome:
-        store = self.store
-        if not store.release_abandoned(
-            taken.record_key, taken.token, keep_phases=bool(taken.phases)
-        ):
-            return RecoveryOutcome.FENCED
-        log.info("idempotency recover: key %s released", keys.log_key(taken.record_key))
-        return RecoveryOutcome.RELEASED
 
     def _hand_back(
         self, taken: Taken, outcome: RecoveryOutcome = RecoveryOutcome.DEFERRED
