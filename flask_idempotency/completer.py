@@ -45,7 +45,7 @@ from typing import Any
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
-from . import flow, keys
+from . import digests, flow
 from .engine import Attempt, bound
 from .errors import LeaseLost, StoreUnavailable
 from .recovery import Abandoned, recoverable_routes
@@ -159,7 +159,7 @@ class Recoverer:
 
     def recover(self, taken: Taken) -> RecoveryOutcome:
         """Run the route's recovery for one record we took over; settle it."""
-        label = keys.log_key(taken.record_key)
+        label = digests.log_key(taken.record_key)
         try:
             outcome = self._recover(taken, label)
         except StoreUnavailableError as exc:

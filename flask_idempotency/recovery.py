@@ -32,7 +32,7 @@ from typing import Any
 from flask import Flask, Request
 from werkzeug.test import EnvironBuilder
 
-from . import keys
+from . import digests
 from .request_body import whole_body
 from .route_options import RouteOptions
 
@@ -108,7 +108,7 @@ class Abandoned:
 
     def derived_key(self, purpose: str) -> str:
         """The key the view sent downstream for ``purpose`` (``idempotency.derived_key``)."""
-        return keys.derived_key(self.record_key, purpose)
+        return digests.derived_key(self.record_key, purpose)
 
     def environ(self) -> dict[str, Any]:
         builder = EnvironBuilder(

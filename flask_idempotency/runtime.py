@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from flask import Flask, Request, Response, current_app, request
 from werkzeug.exceptions import HTTPException
 
-from . import flow, keys, recovery, responses
+from . import digests, flow, keys, recovery, responses
 from .engine import Attempt, bind, current_attempt, unbind
 from .errors import (
     DRILL_FAIL_AFTER_VIEW,
@@ -87,7 +87,7 @@ def run_view(
         keyless = Attempt(state, None, b"", route, started=started, request=req)
         bind(keyless)
         return _call_view(keyless, call, args, kwargs)
-    record_key = keys.record_key(scope, key)
+    record_key = digests.record_key(scope, key)
     fingerprint = route.fingerprint_func(req)
     attempt = Attempt(
         state, record_key, fingerprint, route, started=started, scope=scope, request=req

@@ -49,7 +49,7 @@ from typing import Any
 
 from flask import Flask, current_app
 
-from .. import flow, keys
+from .. import digests, flow
 from ..engine import Attempt, bound
 from ..route_options import route_options
 from ..state import app_state
@@ -94,7 +94,7 @@ class ConsumerGuard:
     def record_key(self, key: str) -> bytes:
         if not key.isascii():
             key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-        return keys.record_key(self.scope, key)
+        return digests.record_key(self.scope, key)
 
     def stored_record(self, returned: Any) -> StoredResponse:
         """What the completed record keeps of the handler's return value, committed
@@ -170,7 +170,7 @@ class ConsumerGuard:
                     log.error(
                         "consumer %s: another message under key %s",
                         self.options.name,
-                        keys.log_key(record_key),
+                        digests.log_key(record_key),
                     )
                     return self._dead_letter_unclaimed(delivery, "key_reused", dead_letter)
                 lease_left = (existing.lease_remaining if existing is not None else None) or 0.0
@@ -196,7 +196,7 @@ class ConsumerGuard:
                 log.warning(
                     "consumer %s: lease lost for key %s; this attempt was rolled back",
                     self.options.name,
-                    keys.log_key(record_key),
+                    digests.log_key(record_key),
                 )
                 return Result(ConsumerOutcome.FENCED, reason="lease_lost")
             except StoreUnavailableError as exc:
@@ -230,7 +230,7 @@ class ConsumerGuard:
         log.warning(
             "consumer %s: handler failed on key %s (attempt %d%s): %s",
             name,
-            keys.log_key(record_key),
+            digests.log_key(record_key),
             attempts,
             "" if limit is None else f" of {limit}",
             type(exc).__name__,
@@ -293,7 +293,7 @@ class ConsumerGuard:
             "consumer %s: key %s: %d earlier attempts were lost without finishing "
             "(max_worker_losses=%d); not run again, its record released",
             self.options.name,
-            keys.log_key(record_key),
+            digests.log_key(record_key),
             losses,
             limit,
         )
