@@ -84,17 +84,11 @@ class ConsumerGuard:
     def __init__(self, handler: Handler, options: ConsumerOptions) -> None:
         self.handler = handler
         self.options = options
-        self.scope = f"consumer:{options.name}"
         self.__name__ = getattr(handler, "__name__", options.name)
         self.__doc__ = getattr(handler, "__doc__", None)
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.handler(delivery)
-
-    def record_key(self, key: str) -> bytes:
-        if not key.isascii():
-            key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-        return digests.record_key(self.scope, key)
 
     def stored_record(self, returned: Any) -> StoredResponse:
         """What the completed record keeps of the handler's return value, committed
@@ -155,7 +149,10 @@ class ConsumerGuard:
         key = self.options.key(delivery)
         if not key:
             return self._dead_letter_unclaimed(delivery, "missing_key", dead_letter)
-        record_key = self.record_key(str(key))
+        key = str(key)
+        if not key.isascii():  # record_key() takes an ASCII key, as a header is
+            key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        record_key = digests.record_key(f"consumer:{self.options.name}", key)
         with Attempt(state, record_key, delivery.fingerprint(), route) as attempt:
             try:
                 decision, existing = attempt.claim()
