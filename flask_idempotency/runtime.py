@@ -299,8 +299,7 @@ def _settle_claim(attempt: Attempt, response: Response) -> Response:
         raise
     if settlement is flow.Settlement.RELEASE:
         _release(attempt, status=response.status_code)
-        if not attempt.own_error:
-            responses.mark_original(response, state.profile)
+        responses.mark_original(response, state.profile)  # (the view returned it: not ours)
         return response
     if settlement is flow.Settlement.TOO_LARGE or stored is None:
         return _not_stored(attempt, response, ResponseTooLarge())
