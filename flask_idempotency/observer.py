@@ -131,7 +131,7 @@ class RequestEvent:
 
 
 def scope_digest(scope: str) -> str:
-    """A short label for a scope, like ``keys.log_key`` for a record: the scope may
+    """A short label for a scope, like ``digests.log_key`` for a record: the scope may
     name a user or a tenant, which logs and traces do not need to carry."""
     return hashlib.sha256(scope.encode("utf-8", "surrogateescape")).digest()[:6].hex()
 

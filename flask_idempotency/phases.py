@@ -44,7 +44,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import keys
+from . import digests
 from .errors import LeaseLost, from_store_error
 from .store.base import LeaseLostError, StoreUnavailableError
 
@@ -84,7 +84,7 @@ def run(attempt: Attempt | None, name: str, step: Callable[[], T]) -> Any:
         assert attempt.record_key is not None  # (only a claimed record's phase is fenced)
         log.warning(
             "idempotency: lease lost for key %s at phase %r; rolled back",
-            keys.log_key(attempt.record_key),
+            digests.log_key(attempt.record_key),
             name,
         )
         raise LeaseLost(retry_after=retry_after) from exc

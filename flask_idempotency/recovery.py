@@ -32,7 +32,7 @@ from typing import Any
 from flask import Flask, Request
 from werkzeug.test import EnvironBuilder
 
-from . import keys
+from . import digests
 from .request_body import whole_body
 from .route_options import RouteOptions
 
@@ -98,27 +98,17 @@ class Abandoned:
         """``ValueError`` for a payload this version cannot read."""
         try:
             doc = json.loads(raw)
-            if doc.get("v") != PAYLOAD_VERSION:
-                raise ValueError(f"payload version {doc.get('v')!r}")
-            return cls(
-                endpoint=str(doc["endpoint"]),
-                method=str(doc["method"]),
-                path=str(doc["path"]),
-                query=str(doc["query"]),
-                content_type=doc["content_type"],
-                body=base64.b64decode(doc["body"], validate=True),
-                data=doc["data"],
-                phases=phases,
-                abandoned_seconds=abandoned,
-                root_url=str(doc["root_url"]),
-                record_key=record_key,
-            )
+            if (version := doc.pop("v", None)) != PAYLOAD_VERSION:
+                raise ValueError(f"payload version {version!r}")
+            doc["body"] = base64.b64decode(doc["body"], validate=True)
+            # The fields capture() wrote, no more and no fewer (else a TypeError).
+            return cls(**doc, phases=phases, abandoned_seconds=abandoned, record_key=record_key)
         except (KeyError, TypeError, AttributeError, binascii.Error) as exc:
             raise ValueError(f"unreadable recovery payload ({type(exc).__name__})") from None
 
     def derived_key(self, purpose: str) -> str:
         """The key the view sent downstream for ``purpose`` (``idempotency.derived_key``)."""
-        return keys.derived_key(self.record_key, purpose)
+        return digests.derived_key(self.record_key, purpose)
 
     def environ(self) -> dict[str, Any]:
         builder = EnvironBuilder(

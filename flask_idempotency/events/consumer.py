@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from flask import Flask, current_app
 
-from .. import flow, keys
+from .. import digests, flow
 from ..engine import Attempt, bound
 from ..route_options import route_options
 from ..state import app_state
@@ -85,17 +84,11 @@ class ConsumerGuard:
     def __init__(self, handler: Handler, options: ConsumerOptions) -> None:
         self.handler = handler
         self.options = options
-        self.scope = f"consumer:{options.name}"
         self.__name__ = getattr(handler, "__name__", options.name)
         self.__doc__ = getattr(handler, "__doc__", None)
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.handler(delivery)
-
-    def record_key(self, key: str) -> bytes:
-        if not key.isascii():
-            key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-        return keys.record_key(self.scope, key)
 
     def stored_record(self, returned: Any) -> StoredResponse:
         """What the completed record keeps of the handler's return value, committed
@@ -156,7 +149,10 @@ class ConsumerGuard:
         key = self.options.key(delivery)
         if not key:
             return self._dead_letter_unclaimed(delivery, "missing_key", dead_letter)
-        record_key = self.record_key(str(key))
+        key = str(key)
+        if not key.isascii():  # record_key() takes an ASCII key, as a header is
+            key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        record_key = digests.record_key(f"consumer:{self.options.name}", key)
         with Attempt(state, record_key, delivery.fingerprint(), route) as attempt:
             try:
                 decision, existing = attempt.claim()
@@ -171,7 +167,7 @@ class ConsumerGuard:
                     log.error(
                         "consumer %s: another message under key %s",
                         self.options.name,
-                        keys.log_key(record_key),
+                        digests.log_key(record_key),
                     )
                     return self._dead_letter_unclaimed(delivery, "key_reused", dead_letter)
                 lease_left = (existing.lease_remaining if existing is not None else None) or 0.0
@@ -197,7 +193,7 @@ class ConsumerGuard:
                 log.warning(
                     "consumer %s: lease lost for key %s; this attempt was rolled back",
                     self.options.name,
-                    keys.log_key(record_key),
+                    digests.log_key(record_key),
                 )
                 return Result(ConsumerOutcome.FENCED, reason="lease_lost")
             except StoreUnavailableError as exc:
@@ -227,30 +223,28 @@ class ConsumerGuard:
             )
         if earlier is None:
             return Result(ConsumerOutcome.FENCED, reason="lease_lost", error=exc)
-        attempts = earlier + 1
+        attempts, limit = earlier + 1, self.options.max_attempts
         log.warning(
-            "consumer %s: handler failed on key %s (attempt %d of %d): %s",
+            "consumer %s: handler failed on key %s (attempt %d%s): %s",
             name,
-            keys.log_key(record_key),
+            digests.log_key(record_key),
             attempts,
-            self.options.max_attempts,
+            "" if limit is None else f" of {limit}",
             type(exc).__name__,
         )
-        if attempts >= self.options.max_attempts or self.gives_up(exc):
-            result = Result(
-                ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
-            )
-            if self._copy_to_dead_letter(dead_letter, delivery, result, error):
-                self._best_effort(store.release_claim, record_key, token)
-                return result
-        self._best_effort(store.fail_attempt, record_key, token)
-        return Result(
-            ConsumerOutcome.RETRY,
-            self.retry_delay(attempts),
-            "handler_failed",
-            attempts=attempts,
-            error=exc,
+        result = Result(
+            ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
         )
+        final = (limit is not None and attempts >= limit) or self.gives_up(exc)
+        final = final and self._copy_to_dead_letter(dead_letter, delivery, result, error)
+        try:  # dead-lettered: released; else its lease ends now, for the next delivery
+            (store.release_claim if final else store.fail_attempt)(record_key, token)
+        except StoreUnavailableError as failure:  # the lease lapses, with the same effect
+            log.warning("consumer %s: could not record the attempt: %s", name, failure)
+        if final:
+            return result
+        delay = self.retry_delay(attempts)
+        return Result(ConsumerOutcome.RETRY, delay, "handler_failed", attempts=attempts, error=exc)
 
     def _given_up(
         self, attempt: Attempt, delivery: Delivery, dead_letter: DeadLetter | None
@@ -296,7 +290,7 @@ class ConsumerGuard:
             "consumer %s: key %s: %d earlier attempts were lost without finishing "
             "(max_worker_losses=%d); not run again, its record released",
             self.options.name,
-            keys.log_key(record_key),
+            digests.log_key(record_key),
             losses,
             limit,
         )
@@ -324,13 +318,3 @@ class ConsumerGuard:
             log.error("consumer %s: dead-lettering failed: %s", name, error)
             return False
         return True
-
-    @staticmethod
-    def _best_effort(
-        operation: Callable[[bytes, int], None], record_key: bytes, token: int
-    ) -> None:
-        """If PostgreSQL is away the lease lapses, with the same effect."""
-        try:
-            operation(record_key, token)
-        except StoreUnavailableError as exc:
-            log.warning("consumer: could not record the attempt: %s", exc)

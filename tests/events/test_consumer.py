@@ -8,6 +8,7 @@ queue after N attempts while the others keep flowing.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import threading
@@ -207,7 +208,7 @@ def test_a_message_that_kills_its_consumer_every_time_is_dead_lettered_unrun(
 
 
 def test_a_failing_handler_is_retried_with_backoff_then_dead_lettered(
-    app: Flask, clean_db: str
+    app: Flask, clean_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     dead: list[tuple[str | None, Result, str]] = []
 
@@ -219,8 +220,12 @@ def test_a_failing_handler_is_retried_with_backoff_then_dead_lettered(
     def dead_letter(d: Delivery, result: Result, error: str) -> None:
         dead.append((d.id, result, error))
 
-    results = [always_fails.handle(delivery(), app=app, dead_letter=dead_letter) for _ in range(3)]
-    print([(r.outcome.value, r.attempts, r.delay) for r in results])
+    with caplog.at_level(logging.WARNING, "flask_idempotency.events"):
+        results = [
+            always_fails.handle(delivery(), app=app, dead_letter=dead_letter) for _ in range(3)
+        ]
+    failed = [r.getMessage() for r in caplog.records if "handler failed" in r.getMessage()]
+    assert ["(attempt 1 of 3)" in failed[0], "(attempt 3 of 3)" in failed[2]] == [True, True]
     assert [r.outcome for r in results] == [
         ConsumerOutcome.RETRY,
         ConsumerOutcome.RETRY,
