@@ -241,6 +241,7 @@ class _Fanout(Observer):
     pool_checkin = _passed_on("pool_checkin")
     pool_waiting = _passed_on("pool_waiting")
     pool_timeout = _passed_on("pool_timeout")
+    dead_lettered = _passed_on("dead_lettered")
 
 
 def _where(req: Request | None) -> tuple[str, str]:

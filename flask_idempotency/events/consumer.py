@@ -139,7 +139,10 @@ class ConsumerGuard:
         app = app if app is not None else current_app._get_current_object()  # type: ignore[attr-defined]
         # A fresh app context: ``g`` (and so ``connection()``) belongs to this message.
         with app.app_context():
-            return self._handle(app, delivery, dead_letter)
+            result = self._handle(app, delivery, dead_letter)
+        if result.outcome is ConsumerOutcome.DEAD_LETTERED:
+            app_state(app).metrics.fanout.dead_lettered(self.options.name, result.reason or "")
+        return result
 
     def _handle(self, app: Flask, delivery: Delivery, dead_letter: DeadLetter | None) -> Result:
         state = app_state(app)

@@ -135,6 +135,11 @@ class _Instruments:
             "Cached entries not replayed (failed verification, another version, expired)",
             ("reason",),
         )
+        self.dead_lettered = counter(
+            "events_dead_lettered",
+            "Messages a consumer gave up on (dead-lettered), by consumer and reason",
+            ("consumer", "reason"),
+        )
         self.redis_errors = counter(
             "redis_errors", "Redis commands that failed (treated as misses)", ("command",)
         )
@@ -347,6 +352,9 @@ class PrometheusMetrics(Observer):
 
     def cache_rejected(self, reason: str) -> None:
         self._m.cache_rejected.labels(reason).inc()
+
+    def dead_lettered(self, consumer: str, reason: str) -> None:
+        self._m.dead_lettered.labels(consumer, reason).inc()
 
     def redis_failed(self, command: str) -> None:
         self._m.redis_errors.labels(command).inc()

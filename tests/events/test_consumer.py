@@ -254,6 +254,33 @@ def test_another_message_under_a_used_id_or_no_id_is_dead_lettered_unrun(app: Fl
     assert runs == [{"n": 1}]
 
 
+def test_dead_letters_are_counted_for_prometheus_by_consumer_and_reason(app: Flask) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from flask_idempotency.observability.prometheus import PrometheusMetrics
+
+    registry = CollectorRegistry()
+    PrometheusMetrics(app, registry=registry)
+
+    @idempotency.consumer("counted")
+    def counted(d: Delivery) -> None:
+        pass
+
+    def dead_letters(reason: str) -> float | None:
+        return registry.get_sample_value(
+            "flask_idempotency_events_dead_lettered_total",
+            {"consumer": "counted", "reason": reason},
+        )
+
+    assert counted.handle(delivery(n=1), app=app).outcome is ConsumerOutcome.HANDLED
+    assert dead_letters("key_reused") is None
+    counted.handle(delivery(n=2), app=app)
+    counted.handle(delivery(n=3), app=app)
+    counted.handle(Delivery.from_body({"n": 4}), app=app)
+    assert dead_letters("key_reused") == 2
+    assert dead_letters("missing_key") == 1
+
+
 def test_a_handler_emits_in_its_own_transaction(app: Flask, clean_db: str) -> None:
     @idempotency.consumer("chain", max_attempts=2)
     def chain(d: Delivery) -> None:
