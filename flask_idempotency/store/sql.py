@@ -1,7 +1,7 @@
 """Every statement on the extension's tables, and how its parameters are built.
 
 The one place SQL on ``idempotency_records`` is written: the request path
-(``request.py``), the store's maintenance (``postgres.py``, ``maintenance.py``),
+(``request.py``), the store's maintenance (``postgres.py``),
 the completer and the consumer guard all run these, under the store's
 ``SET LOCAL`` timeouts and client-side deadline.
 """
@@ -192,9 +192,6 @@ SELECT count(*), count(*) FILTER (WHERE recovery IS NOT NULL),
 
 # -- the consumer guard (``events/consumer.py``): failed attempts of a message
 
-#: Counts the failed attempt (its lease ends now, the record stays, so the next
-#: delivery takes it over and ``takeovers`` grows) and says how many came before.
-FAIL_ATTEMPT = END_LEASE.rstrip() + "\nRETURNING takeovers\n"
 ATTEMPTS_SO_FAR = """
 SELECT takeovers FROM idempotency_records
  WHERE record_key = %s AND lock_token = %s AND state = 'processing'
