@@ -139,9 +139,6 @@ class MemoryStore:
 
     pending_migrations = migrate
 
-    def check_schema_at_start(self) -> None:
-        """No schema to check."""
-
     def ping(self) -> None:
         """Always answers (in the process that created it)."""
         self._guard.check()

@@ -178,9 +178,6 @@ class PostgresStore:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
                 return schema.inspect(cur, self._migration_names)
 
-    def check_schema_at_start(self) -> schema.Problem | None:
-        return self.schema.check()
-
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         """The migrations this database has not applied (``flask idempotency doctor``)."""
         names = [name for name, _ in migrations.all_migrations(extra_dirs)]
