@@ -55,8 +55,6 @@ def sqlstate(exc: BaseException) -> str | None:
 class Driver:
     """psycopg2: the driver's own cursor already does what the store needs."""
 
-    name = "psycopg2"
-
     def cursor(self, conn: Any) -> Any:
         """A cursor that takes several statements with parameters in one call."""
         return conn.cursor()
@@ -66,31 +64,20 @@ class Driver:
         cur.execute(sql, params)
 
     def in_transaction(self, conn: Any) -> bool:
-        """Whether ``conn`` is inside a transaction (or a failed one), not idle.
-        (psycopg2's ``conn.info`` builds an object per read: asked directly.)"""
-        return bool(conn.get_transaction_status())
+        """Whether ``conn`` is inside a transaction (or a failed one), not idle."""
+        return bool(conn.info.transaction_status)
 
 
 class Psycopg3Driver(Driver):
     """psycopg 3: a client-side binding cursor, moved on to the last result."""
 
-    name = "psycopg"
-
-    def __init__(self) -> None:
-        self._client_cursor: Any = None
-
     def cursor(self, conn: Any) -> Any:
-        if self._client_cursor is None:
-            self._client_cursor = _speak_psycopg3().ClientCursor
-        return self._client_cursor(conn)
+        return _speak_psycopg3().ClientCursor(conn)
 
     def execute(self, cur: Any, sql: str, params: Any = None) -> None:
         cur.execute(sql, params)
         while cur.nextset():
             pass
-
-    def in_transaction(self, conn: Any) -> bool:
-        return bool(conn.info.transaction_status)
 
 
 PSYCOPG2 = Driver()
