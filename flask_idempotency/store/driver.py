@@ -84,14 +84,16 @@ PSYCOPG2 = Driver()
 PSYCOPG3 = Psycopg3Driver()
 
 
-def for_dialect(driver_name: str) -> Driver:
-    """The driver of a SQLAlchemy dialect (``engine.dialect.driver``)."""
-    if driver_name == "psycopg2":
+def for_dialect(dialect: Any) -> Driver:
+    """The driver of a SQLAlchemy engine's ``dialect``: PostgreSQL's, through
+    psycopg2 or psycopg 3."""
+    name = f"{dialect.name}+{dialect.driver}"
+    if name == "postgresql+psycopg2":
         return PSYCOPG2
-    if driver_name == "psycopg":
+    if name == "postgresql+psycopg":
         _speak_psycopg3()
         return PSYCOPG3
     raise ValueError(
-        f"flask_idempotency needs the postgresql+psycopg2 or postgresql+psycopg dialect, "
-        f"not postgresql+{driver_name}"
+        f"flask_idempotency needs PostgreSQL, through the postgresql+psycopg2 or "
+        f"postgresql+psycopg dialect; the engine is {name}"
     )

@@ -188,10 +188,8 @@ class EnginePool:
     def __init__(
         self, engine: Engine, *, owned: bool = False, max_overflow: int | None = None
     ) -> None:
-        if engine.dialect.name != "postgresql":
-            raise ValueError(
-                f"flask_idempotency needs PostgreSQL; the engine is {engine.dialect.name}"
-            )
+        #: How the engine's DBAPI connections take the store's statements.
+        self.driver: Driver = for_dialect(engine.dialect)
         self.engine = engine
         #: The extension built the engine (and disposes of it on ``close()``).
         self.owned = owned
@@ -199,8 +197,6 @@ class EnginePool:
         #: it): none for the extension's own engine; Flask-SQLAlchemy's from its
         #: config; unknown for an engine given with ``engine=``.
         self._max_overflow = 0 if owned else max_overflow
-        #: How the engine's DBAPI connections take the store's statements.
-        self.driver: Driver = for_dialect(engine.dialect.driver)
         #: DBAPI connection -> the SQLAlchemy connection it was lent with.
         self._lent: dict[Any, SAConnection] = {}
         self._lock = threading.Lock()
