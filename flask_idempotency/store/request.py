@@ -224,10 +224,9 @@ class PostgresRequest:
         trip, two advisory locks; no processing row, no lease). ``Claimed`` leaves it
         open for the view; any other answer is for the caller to ``close()``."""
         self.rollback()  # a waiting duplicate's earlier try
-        text = self._store.statements.claim_in_transaction
         params = (record_key, *sql.advisory_locks(record_key, fingerprint))
         try:
-            row = self._send("claim", text, params, **CLAIMING)
+            row = self._send("claim", sql.CLAIM_IN_TRANSACTION, params, **CLAIMING)
         except StoreUnavailableError:
             if self._conn is not None:
                 self._in_transaction = True  # (its BEGIN ran: roll it back on close)

@@ -229,7 +229,6 @@ class Statements:
     when it did."""
 
     claim: str
-    claim_in_transaction: str
     complete: str
     insert_completed: str
     checkpoint: str
@@ -248,7 +247,6 @@ class Statements:
             claim=CLAIM.replace("{lock_timeout}", lock).replace(
                 "{async_commit}", "true" if async_claim_commit else "false"
             ),
-            claim_in_transaction=CLAIM_IN_TRANSACTION,
             complete=COMPLETE.replace("{lock_timeout}", lock) + ";\nCOMMIT",
             insert_completed=INSERT_COMPLETED.replace("{lock_timeout}", lock) + ";\nCOMMIT",
             # The view's transaction so far commits with the recovery point, and the
