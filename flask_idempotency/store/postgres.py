@@ -50,17 +50,12 @@ class PostgresStore:
         self.driver = pool.driver
         #: ``"row"`` (a processing row, committed on its own) or ``"transaction"``.
         self.claim_mode = settings.claim_mode
-        statement_timeout, lock_timeout = settings.statement_timeout, settings.lock_timeout
         #: One text per operation (``sql.Statements``), built once from the settings.
-        self.statements = Statements.build(
-            statement_timeout=statement_timeout,
-            lock_timeout=lock_timeout,
-            async_claim_commit=settings.async_claim_commit,
-        )
+        self.statements = Statements.build(settings)
         #: ``SET LOCAL`` of the timeouts, for the maintenance statements.
-        self.timeouts = timeouts_sql(statement_timeout, lock_timeout)
+        self.timeouts = timeouts_sql(settings.statement_timeout, settings.lock_timeout)
         #: Seconds before the watchdog gives up on one of our statements.
-        self.deadline = statement_timeout + CLIENT_DEADLINE_GRACE
+        self.deadline = settings.statement_timeout + CLIENT_DEADLINE_GRACE
         self._renew_lock = threading.Lock()
         self._migration_names = [name for name, _ in migrations.package_migrations()]
         #: Whether the extension's schema is in place (``schema.py``): checked at

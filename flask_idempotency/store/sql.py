@@ -238,15 +238,14 @@ class Statements:
     ping: str
 
     @classmethod
-    def build(
-        cls, *, statement_timeout: float, lock_timeout: float, async_claim_commit: bool
-    ) -> Statements:
-        timeouts = timeouts_sql(statement_timeout, lock_timeout)
-        lock = lock_timeout_arg(statement_timeout, lock_timeout)
+    def build(cls, settings: Any) -> Statements:
+        """The texts for ``settings`` (``settings.Settings``: the statement and lock
+        timeouts, ``async_claim_commit``)."""
+        timeouts = timeouts_sql(settings.statement_timeout, settings.lock_timeout)
+        lock = lock_timeout_arg(settings.statement_timeout, settings.lock_timeout)
+        async_commit = "true" if settings.async_claim_commit else "false"
         return cls(
-            claim=CLAIM.replace("{lock_timeout}", lock).replace(
-                "{async_commit}", "true" if async_claim_commit else "false"
-            ),
+            claim=CLAIM.replace("{lock_timeout}", lock).replace("{async_commit}", async_commit),
             complete=COMPLETE.replace("{lock_timeout}", lock) + ";\nCOMMIT",
             insert_completed=INSERT_COMPLETED.replace("{lock_timeout}", lock) + ";\nCOMMIT",
             # The view's transaction so far commits with the recovery point, and the
