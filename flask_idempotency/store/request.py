@@ -116,7 +116,6 @@ class PostgresRequest:
         fetch: bool = False,
         retry: bool = False,
         bounded: bool = False,
-        fenced: bool = False,
         own: bool = False,
     ) -> Any:
         """Run one of the extension's statements on this request's connection
@@ -127,9 +126,10 @@ class PostgresRequest:
         reached the server). ``bounded`` (the claim): one deadline for everything it
         waits on, the pool, a connect and the statement. A lost connection is
         dropped (``StoreUnavailableError``); an error the server answered rolls the
-        transaction back and is a ``LeaseLostError`` when ``fenced`` and the record
-        was taken over, the driver's own error when it is the application's
-        (``own``: a deferred constraint at ``COMMIT``), else :func:`answered`.
+        transaction back and is the driver's own error when it is the application's
+        (``own``: a deferred constraint at ``COMMIT``), a ``LeaseLostError`` when a
+        fenced statement (a completion, a recovery point) found the record taken
+        over, else :func:`answered`.
         """
         until = time.monotonic() + self._store.deadline if bounded else None
         while True:
@@ -158,10 +158,10 @@ class PostgresRequest:
                     # The server answered (a statement or lock timeout, a missing
                     # table): the connection is sound and stays with the request.
                     self.rollback()
-                    if fenced and sqlstate(exc) == sql.LEASE_LOST_SQLSTATE:
-                        raise LeaseLostError() from exc
                     if own:
                         raise
+                    if sqlstate(exc) == sql.LEASE_LOST_SQLSTATE:  # (raised by fenced ones only)
+                        raise LeaseLostError() from exc
                     raise answered(what, exc) from exc
                 self._drop()
                 if not retry or self._unresponsive:
@@ -272,7 +272,7 @@ class PostgresRequest:
             text, params = statements.complete, (record_key, token, *answer)
         if not self._in_transaction:
             text = "BEGIN;\n" + text  # (its COMMIT must end a transaction)
-        self._send("completion", text, params, fenced=True)
+        self._send("completion", text, params)
         self._in_transaction = False
         self._claimed = None
 
@@ -286,7 +286,7 @@ class PostgresRequest:
         if not self._in_transaction:
             text = "BEGIN;\n" + text
         self._in_transaction = True
-        self._send("checkpoint", text, (record_key, token, phase, data_json), fenced=True)
+        self._send("checkpoint", text, (record_key, token, phase, data_json))
         self.has_progress = True
 
     def count_recovered(self) -> None:
