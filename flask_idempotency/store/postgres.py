@@ -31,7 +31,7 @@ from .breaker import StoreBreaker
 from .errors import is_unreachable
 from .pool import Connection, EnginePool, build_engine
 from .request import PostgresRequest
-from .runner import NoAnswer, run, watched
+from .runner import NoAnswer, watched
 from .sql import CLIENT_DEADLINE_GRACE, Statements, timeouts_sql
 
 log = logging.getLogger("flask_idempotency.store")
@@ -144,14 +144,14 @@ class PostgresStore:
         if not holds:
             return 0
         params = ([h.record_key for h in holds], [h.token for h in holds], [h.lease for h in holds])
-        retry, text, deadline = True, self.statements.renew, self.deadline
+        retry = True
         with self._renew_lock:
             while True:
                 try:
-                    with self.pool.renewal() as conn:
-                        return int(
-                            run(conn, self.driver, text, params, deadline=deadline, breaker=None)
-                        )
+                    with self.pool.renewal() as conn, watched(conn, self.deadline):
+                        with self.driver.cursor(conn) as cur:
+                            self.driver.execute(cur, self.statements.renew, params)
+                            return int(cur.rowcount)
                 except driver.ERRORS as exc:
                     # Once more on a fresh connection if the keeper's died while idle;
                     # not if the server did not answer in time.

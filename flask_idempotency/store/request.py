@@ -5,7 +5,7 @@ processing row of its own and holds it with a lease; transaction mode opens the
 business transaction with the claim, under advisory locks, and its COMMIT
 inserts the completed record. Everything else (the view's transaction, the
 completion's fencing, the release, recovery points) is shared. Every statement goes
-through ``runner.run`` (deadline, breaker, "unreachable"), and its text is
+through ``runner.watched`` (deadline, breaker, "unreachable"), and its text is
 ``sql.Statements``' one for the operation.
 """
 
@@ -30,7 +30,7 @@ from .breaker import StoreBreaker
 from .driver import Driver, sqlstate
 from .errors import is_unreachable
 from .pool import Checkout, Connection, EnginePool
-from .runner import NoAnswer, run
+from .runner import NoAnswer, watched
 from .schema import mismatch
 from .sql import Statements
 
@@ -119,7 +119,7 @@ class PostgresRequest:
         own: bool = False,
     ) -> Any:
         """Run one of the extension's statements on this request's connection
-        (``runner.run``: the deadline, the breaker); the first row if ``fetch``.
+        (``runner.watched``: the deadline, the breaker); the first row if ``fetch``.
 
         ``retry``: nothing of this request's is on the connection yet, so a pooled
         one that turns out dead (a restart) is replaced once (the statement never
@@ -139,20 +139,17 @@ class PostgresRequest:
                 seconds = min(seconds, until - time.monotonic())
                 if seconds <= 0:
                     raise StoreUnavailableError("the claim's deadline passed before it was sent")
+            # Cut after less than half the deadline (the claim's time went on waiting
+            # for a connection), a statement says too little about the server to count.
+            counts = seconds >= self._store.deadline / 2
+            drv = self._store.driver
             try:
-                return run(
-                    conn,
-                    self._store.driver,
-                    statement,
-                    params,
-                    deadline=seconds,
-                    breaker=self._breaker,
-                    fetch=fetch,
-                    # Cut after less than half the deadline (the claim's time went on
-                    # waiting for a connection): too little said about the server.
-                    counts=seconds >= self._store.deadline / 2,
-                    retried_if_lost=retry,
-                )
+                with (
+                    watched(conn, seconds, self._breaker, counts=counts, retried_if_lost=retry),
+                    drv.cursor(conn) as cur,
+                ):
+                    drv.execute(cur, statement, params)
+                    return cur.fetchone() if fetch else None
             except driver.ERRORS as exc:
                 if not self._lost(exc):
                     # The server answered (a statement or lock timeout, a missing

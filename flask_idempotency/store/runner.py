@@ -2,7 +2,7 @@
 
 Every statement the store sends (a request's claim and completion, the
 keeper's renewal, a health check, the schema's inspection) goes through
-:func:`run`, which owns the three things they share:
+:func:`watched`, which owns the three things they share:
 
 * the client-side deadline (``watchdog.py``): a server that stopped answering
   costs one deadline, never a hung thread;
@@ -24,7 +24,6 @@ import psycopg2
 
 from . import driver
 from .breaker import StoreBreaker
-from .driver import Driver
 from .watchdog import WATCHDOG
 
 
@@ -61,33 +60,3 @@ def watched(
             conn.close()
             if error is None or isinstance(error, driver.ERRORS):
                 raise NoAnswer("no answer from PostgreSQL before the deadline") from error
-
-
-def run(
-    conn: Any,
-    drv: Driver,
-    sql: str,
-    params: Any = None,
-    *,
-    deadline: float,
-    breaker: StoreBreaker | None,
-    fetch: bool = False,
-    counts: bool = True,
-    retried_if_lost: bool = False,
-) -> Any:
-    """Run ``sql`` on ``conn`` within ``deadline`` seconds (:func:`watched`); the first
-    row if ``fetch``, else the number of rows the last statement touched.
-
-    Raises the driver's errors (``NoAnswer`` past the deadline). The breaker hears
-    of the outcome unless ``breaker`` is ``None``: a statement cut with ``counts``
-    false (cut short because its request waited elsewhere) is not counted, nor a
-    lost connection the caller retries on a fresh one (``retried_if_lost``: a
-    pooled connection that died while idle says nothing about the server now; the
-    retry counts instead).
-    """
-    with (
-        watched(conn, deadline, breaker, counts=counts, retried_if_lost=retried_if_lost),
-        drv.cursor(conn) as cur,
-    ):
-        drv.execute(cur, sql, params)
-        return cur.fetchone() if fetch else cur.rowcount
