@@ -110,11 +110,14 @@ def pending(cur: Any, names: list[str]) -> list[str]:
     """The migration ``names`` the database has not applied (all of them before the
     first migrate), read without taking the migration lock."""
     cur.execute(LEDGER_EXISTS)
-    if not cur.fetchall()[0][0]:
-        return names
-    cur.execute("SELECT name FROM idempotency_schema_migrations")
-    done = {row[0] for row in cur.fetchall()}
+    done = applied(cur) if cur.fetchall()[0][0] else set()
     return [name for name in names if name not in done]
+
+
+def applied(cur: Any) -> set[str]:
+    """The names the ledger holds (which exists)."""
+    cur.execute("SELECT name FROM idempotency_schema_migrations")
+    return {row[0] for row in cur.fetchall()}
 
 
 def apply_in_transaction(cur: Any, migrations: Iterable[tuple[str, str]]) -> list[str]:
@@ -131,8 +134,7 @@ def apply_in_transaction(cur: Any, migrations: Iterable[tuple[str, str]]) -> lis
     applied_now: list[str] = []
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_ID,))
     cur.execute(CREATE_LEDGER)
-    cur.execute("SELECT name FROM idempotency_schema_migrations")
-    done = {row[0] for row in cur.fetchall()}
+    done = applied(cur)
     for name, sql in migrations:
         if name in done:
             continue

@@ -51,7 +51,7 @@ from ..observer import Observer
 from . import driver
 from .base import BreakerOpenError, StoreUnavailableError
 from .driver import Driver, for_dialect
-from .errors import connect_failure, is_unreachable
+from .errors import is_unreachable, reason_of
 from .schema import mismatch
 
 #: A DBAPI connection (psycopg2's or psycopg 3's), as the store's statements use it.
@@ -173,9 +173,7 @@ def _unavailable(exc: BaseException) -> NoReturn:
     if isinstance(exc, sqlalchemy.exc.TimeoutError):
         raise StoreUnavailableError(f"no free database connection in the pool: {exc}") from exc
     cause = getattr(exc, "orig", None) or exc
-    raise StoreUnavailableError(
-        f"cannot connect to PostgreSQL: {connect_failure(cause)}"
-    ) from cause
+    raise StoreUnavailableError(f"cannot connect to PostgreSQL: {reason_of(cause)}") from cause
 
 
 class EnginePool:
