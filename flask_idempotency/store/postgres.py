@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, closing, contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -102,8 +102,7 @@ class PostgresStore:
         the client-side deadline: one waiting for a synchronous standby that is
         gone ignores ``statement_timeout``, and its outcome is then unknown (503).
         """
-        request = PostgresRequest(self, guarded=False)
-        try:
+        with closing(PostgresRequest(self, guarded=False)) as request:
             conn = request.connection()
             try:
                 yield conn
@@ -112,19 +111,14 @@ class PostgresStore:
                     raise StoreUnavailableError(f"statement failed: {type(exc).__name__}") from exc
                 raise
             request.commit()
-        finally:
-            request.close()
 
     def ping(self) -> None:
         """One short statement under the extension's timeouts (health checks), sent as
         a request's are: at once ``StoreUnavailableError`` while the breaker is open,
         which it may probe; a pooled connection that died while idle is replaced once
         and not counted, so a health check just after a restart finds the server up."""
-        request = PostgresRequest(self)
-        try:
+        with closing(PostgresRequest(self)) as request:
             request._send("ping", self.statements.ping, retry=True)
-        finally:
-            request.close()
 
     def prepare_renewals(self) -> None:
         """Open the lease keeper's connection ahead of its first renewal (best effort:
