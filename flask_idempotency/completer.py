@@ -278,6 +278,6 @@ def describe(outcomes: Mapping[RecoveryOutcome, int]) -> str:
 
 
 def stats(store: Any) -> dict[str, float]:
-    """Abandoned records now and the completer's totals (``Maintenance.recovery_stats``)."""
+    """Abandoned records now and the completer's totals (``PostgresStore.recovery_stats``)."""
     result: dict[str, float] = store.recovery_stats()
     return result
