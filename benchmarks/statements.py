@@ -66,7 +66,7 @@ from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import Claimed, StoredResponse
 from flask_idempotency.store.postgres import PostgresStore
 from flask_idempotency.store.request import PostgresRequest
-from flask_idempotency.store.sql import advisory_locks, response_params
+from flask_idempotency.store.sql import CLAIM_IN_TRANSACTION, advisory_locks, response_params
 
 from .app import INSERT_CHARGE, database_url, prepare_database
 
@@ -245,7 +245,7 @@ def sequences(probe: Probe) -> dict[str, tuple[str, Callable[[], None]]]:
         record_key, fingerprint = new_key()
         with plain.cursor() as cur:
             cur.execute(
-                transaction.statements.claim_in_transaction,
+                CLAIM_IN_TRANSACTION,
                 (record_key, *advisory_locks(record_key, fingerprint)),
             )
             cur.fetchall()

@@ -88,10 +88,6 @@ log = logging.getLogger("flask_idempotency.celery")
 #: (``apply_async(..., headers={"idempotency_key": "order-42"})``).
 KEY_HEADER = "idempotency_key"
 
-#: A task's failed attempts are Celery's to count (``max_retries``), so the guard
-#: never gives up on one itself; attempts still show in the record's ``takeovers``.
-_NO_ATTEMPT_LIMIT = 2**31 - 1
-
 #: The shortest wait before a deferred copy is delivered again: a claim whose
 #: lease has just ended can be taken over at once, but not in a busy loop.
 _MIN_DEFER = 0.05
@@ -222,7 +218,9 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         options = consumer_options(
             self.idempotency_name or self.name,
             key=None,
-            max_attempts=_NO_ATTEMPT_LIMIT,
+            # A task's failed attempts are Celery's to count (``max_retries``), so the
+            # guard never gives up on one itself; they still show in ``takeovers``.
+            max_attempts=None,
             lease=self.idempotency_lease,
             ttl=self.idempotency_ttl,
             retry_delay=self.idempotency_outage_delay,

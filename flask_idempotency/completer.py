@@ -86,8 +86,6 @@ class Recoverer:
         older_than: float = DEFAULT_OLDER_THAN,
         batch_size: int = DEFAULT_BATCH_SIZE,
     ) -> None:
-        if older_than < 0 or batch_size < 1:
-            raise ValueError("older_than must be >= 0 and batch_size >= 1")
         self.app = app
         self.state = app_state(app)
         self.store = self.state.postgres_store("recovering abandoned attempts")
@@ -141,7 +139,9 @@ class Recoverer:
         outcomes: collections.Counter[RecoveryOutcome] = collections.Counter()
         cutoff = self.store.recovery_cutoff(self.older_than)
         while stop is None or not stop.is_set():
-            batch = self._take_over(cutoff)
+            batch = self.store.take_over(cutoff, self.batch_size, self.lease)
+            for item in batch:  # each waits its turn with a live lease
+                self.state.keeper.hold(LeaseHold(item.record_key, item.token, self.lease))
             for index, taken in enumerate(batch):
                 if stop is not None and stop.is_set():
                     # Interrupted: the rest are abandoned again, for the next run.
@@ -156,12 +156,6 @@ class Recoverer:
             if len(batch) < self.batch_size:
                 break
         return outcomes
-
-    def _take_over(self, cutoff: Any) -> list[Taken]:
-        taken = self.store.take_over(cutoff, self.batch_size, self.lease)
-        for item in taken:
-            self.state.keeper.hold(LeaseHold(item.record_key, item.token, self.lease))
-        return taken
 
     def recover(self, taken: Taken) -> RecoveryOutcome:
         """Run the route's recovery for one record we took over; settle it."""
@@ -201,10 +195,13 @@ class Recoverer:
                 attempt.adopt(taken.token, dict(taken.phases))  # phase() adds to them
                 outcome = self._run(attempt, abandoned, options.recover, label)
         # Closed: what the recovery did not complete is rolled back.
-        if outcome is RecoveryOutcome.RELEASED:
-            return self._release(taken)
         if outcome is RecoveryOutcome.DEFERRED:
             return self._hand_back(taken)
+        if outcome is RecoveryOutcome.RELEASED:
+            keep = bool(taken.phases)  # their writes stand: kept for a retry to resume
+            if not self.store.release_abandoned(taken.record_key, taken.token, keep_phases=keep):
+                return RecoveryOutcome.FENCED
+            log.info("idempotency recover: key %s released", label)
         return outcome
 
     def _run(
@@ -266,15 +263,6 @@ class Recoverer:
         log.info("idempotency recover: key %s recovered (%d)", label, stored.status)
         return RecoveryOutcome.RECOVERED
 
-    def _release(self, taken: Taken) -> RecoveryOutcome:
-        store = self.store
-        if not store.release_abandoned(
-            taken.record_key, taken.token, keep_phases=bool(taken.phases)
-        ):
-            return RecoveryOutcome.FENCED
-        log.info("idempotency recover: key %s released", digests.log_key(taken.record_key))
-        return RecoveryOutcome.RELEASED
-
     def _hand_back(
         self, taken: Taken, outcome: RecoveryOutcome = RecoveryOutcome.DEFERRED
     ) -> RecoveryOutcome:
@@ -290,6 +278,6 @@ def describe(outcomes: Mapping[RecoveryOutcome, int]) -> str:
 
 
 def stats(store: Any) -> dict[str, float]:
-    """Abandoned records now and the completer's totals (``Maintenance.recovery_stats``)."""
+    """Abandoned records now and the completer's totals (``PostgresStore.recovery_stats``)."""
     result: dict[str, float] = store.recovery_stats()
     return result

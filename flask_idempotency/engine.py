@@ -31,7 +31,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from flask import Request, Response, g
 
@@ -42,6 +42,7 @@ from .store.base import Claimed, Existing, LeaseHold, StoredResponse, StoreUnava
 if TYPE_CHECKING:
     from .observer import RequestOutcome
     from .route_options import EffectiveOptions
+    from .sqlalchemy_session import Joined
     from .store.memory import MemoryRequest
     from .store.request import PostgresRequest
 
@@ -90,8 +91,8 @@ class Attempt:
     completion_seconds: float | None = None
     #: Set once: every request reports exactly one outcome (``runtime.record``).
     outcome: RequestOutcome | None = None
-    #: The attempt's joined ``db.session`` (``sqlalchemy_session.Joined``), with ``db=``.
-    session: Any = None
+    #: The attempt's joined ``db.session``, with ``db=``.
+    session: Joined | None = None
 
     def __enter__(self) -> Attempt:
         return self
@@ -147,7 +148,7 @@ class Attempt:
         self.begin().has_progress = bool(phases)
         sessions = self.app_state.sessions
         if sessions is not None:
-            self.session = sessions.join(self.begin())
+            self.session = sessions.join(cast("PostgresRequest", self.begin()))  # (db=: PostgreSQL)
 
     def connection(self) -> Any:
         """The connection, in the attempt's transaction (opened now if it is not)."""
@@ -176,7 +177,8 @@ class Attempt:
         handle, record_key, token = self.handle, self.record_key, self.token
         if handle is None or record_key is None or token is None or not handle.holds_lease:
             return
-        self._keep_session()
+        if self.session is not None:
+            self.session.keep()
         handle.checkpoint(record_key, token, phase, data_json)
 
     def complete(self, stored: StoredResponse, *, recovered: bool = False) -> None:
@@ -191,7 +193,8 @@ class Attempt:
         completer's next pass).
         """
         assert self.handle is not None and self.record_key is not None and self.token is not None
-        self._keep_session()  # before anything is settled: a failed flush is the work's failure
+        if self.session is not None:  # before anything is settled: a failed flush is the work's
+            self.session.keep()
         self.settled = True
         self.app_state.keeper.drop(self.record_key, self.token)
         started = time.monotonic()
@@ -222,9 +225,8 @@ class Attempt:
         self.settled = True
         if self.handle is None:
             return False
-        sessions = self.app_state.sessions
-        if sessions is not None and self.session is not None:
-            sessions.discard(self.session)  # before the server's transaction ends
+        if self.session is not None:
+            self.session.discard()  # before the server's transaction ends
         try:
             if self.record_key is None or self.token is None:
                 self.handle.rollback()
@@ -245,20 +247,12 @@ class Attempt:
         if self.handle is not None:
             self.handle.close()
 
-    def _keep_session(self) -> None:
-        """Flush the joined session into the attempt's transaction (before the answer
-        is stored, or a recovery point commits). Raises what the flush raises."""
-        sessions = self.app_state.sessions
-        if sessions is not None and self.session is not None:
-            sessions.keep(self.session)
-
     def _leave_session(self) -> None:
         """The session's work in the attempt is rolled back unless kept, and the
         session is the application's again."""
-        sessions, joined = self.app_state.sessions, self.session
-        if sessions is not None and joined is not None:
-            self.session = None
-            sessions.leave(joined)
+        joined, self.session = self.session, None
+        if joined is not None:
+            joined.leave()
 
 
 def current_attempt() -> Attempt | None:

@@ -313,7 +313,7 @@ def _check_schema(store: PostgresStore | MemoryStore) -> None:
     if _loaded_by_a_flask_command():
         return
     try:
-        store.check_schema_at_start()
+        store.schema.check()
     except StoreUnavailableError as exc:
         log.warning("idempotency: schema not checked at start, PostgreSQL failed (%s)", exc)
 

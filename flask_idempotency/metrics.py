@@ -154,41 +154,22 @@ class Metrics:
         status: int | None = None,
     ) -> StageTimer:
         """A context manager around one stage, for the observers' spans and
-        histograms; a shared no-op while nobody observes."""
-        if not self.observers:
-            return NULL_TIMER
+        histograms (with none attached, it times nothing for nobody)."""
         attributes: Attributes = {}
-        if not any(observer.stage_attributes for observer in self.observers):
-            return _StageTimer(self.observers, stage, attributes)
-        attributes["idempotency.route"] = _where(ctx.request)[0]
-        if ctx.record_key is not None:
-            attributes["idempotency.key_digest"] = log_key(ctx.record_key)
-        if source is not None:
-            attributes["idempotency.replay.source"] = source
-        if status is not None:
-            attributes["http.response.status_code"] = status
-        return _StageTimer(self.observers, stage, attributes)
+        if any(observer.stage_attributes for observer in self.observers):
+            attributes["idempotency.route"] = _where(ctx.request)[0]
+            if ctx.record_key is not None:
+                attributes["idempotency.key_digest"] = log_key(ctx.record_key)
+            if source is not None:
+                attributes["idempotency.replay.source"] = source
+            if status is not None:
+                attributes["http.response.status_code"] = status
+        return StageTimer(self.observers, stage, attributes)
 
 
 class StageTimer:
-    """A stage nobody observes: every method does nothing."""
+    """One stage, told to every observer as it starts and ends."""
 
-    __slots__ = ()
-
-    def __enter__(self) -> StageTimer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
-
-    def decided(self, decision: flow.Decision, takeover: bool) -> None:
-        """Note what the claim decided (the claim span's result and takeover)."""
-
-
-NULL_TIMER = StageTimer()
-
-
-class _StageTimer(StageTimer):
     __slots__ = ("_observers", "_stage", "_attributes", "_tokens", "_started")
 
     def __init__(
@@ -214,6 +195,7 @@ class _StageTimer(StageTimer):
             observer.stage_ended(self._stage, token, seconds, self._attributes, error)
 
     def decided(self, decision: flow.Decision, takeover: bool) -> None:
+        """Note what the claim decided (the claim span's result and takeover)."""
         result = _CLAIM_RESULTS.get(type(decision))
         if result is None and isinstance(decision, flow.Reject):
             result = decision.reason.value
@@ -259,6 +241,7 @@ class _Fanout(Observer):
     pool_checkin = _passed_on("pool_checkin")
     pool_waiting = _passed_on("pool_waiting")
     pool_timeout = _passed_on("pool_timeout")
+    dead_lettered = _passed_on("dead_lettered")
 
 
 def _where(req: Request | None) -> tuple[str, str]:

@@ -205,3 +205,8 @@ class Observer:
 
     def pool_timeout(self) -> None:
         """A request gave up waiting for a connection (and answers 503)."""
+
+    def dead_lettered(self, consumer: str, reason: str) -> None:
+        """A consumer gave a message up (``handler_failed``, ``key_reused``,
+        ``missing_key``...): it went to the dead-letter queue, or was rejected into the
+        queue's dead-letter exchange (a Celery task)."""

@@ -98,21 +98,11 @@ class Abandoned:
         """``ValueError`` for a payload this version cannot read."""
         try:
             doc = json.loads(raw)
-            if doc.get("v") != PAYLOAD_VERSION:
-                raise ValueError(f"payload version {doc.get('v')!r}")
-            return cls(
-                endpoint=str(doc["endpoint"]),
-                method=str(doc["method"]),
-                path=str(doc["path"]),
-                query=str(doc["query"]),
-                content_type=doc["content_type"],
-                body=base64.b64decode(doc["body"], validate=True),
-                data=doc["data"],
-                phases=phases,
-                abandoned_seconds=abandoned,
-                root_url=str(doc["root_url"]),
-                record_key=record_key,
-            )
+            if (version := doc.pop("v", None)) != PAYLOAD_VERSION:
+                raise ValueError(f"payload version {version!r}")
+            doc["body"] = base64.b64decode(doc["body"], validate=True)
+            # The fields capture() wrote, no more and no fewer (else a TypeError).
+            return cls(**doc, phases=phases, abandoned_seconds=abandoned, record_key=record_key)
         except (KeyError, TypeError, AttributeError, binascii.Error) as exc:
             raise ValueError(f"unreadable recovery payload ({type(exc).__name__})") from None
 

@@ -69,29 +69,24 @@ def run_view(
     state = app_state(app)
     settings = state.settings
     route = state.options_for(options)
-    if req.method in SAFE_METHODS:
-        # GET and its kin are idempotent already: a key on them is ignored (the
-        # IETF draft's section 1), even on a route that requires one for POST.
-        key = None
-    else:
-        try:
+    key = None
+    try:
+        # GET and its kin are idempotent already: a key on them is ignored (the IETF
+        # draft's section 1), even on a route that requires one for POST.
+        if req.method not in SAFE_METHODS:
             key = keys.parse_key(req.environ.get(settings.key_environ_name))
             if key is None and options.required:
                 keys.require_key(None)
-        except IdempotencyError as exc:
-            state.metrics.refused(exc)
-            raise
+        if key is not None:
+            scope = keys.resolve_scope(route.scope_func, req)
+            read_body(req)
+    except HTTPException as exc:  # invalid_key, missing_key, missing_scope, malformed_body, 413
+        state.metrics.refused(exc)
+        raise
     if key is None:
         keyless = Attempt(state, None, b"", route, started=started, request=req)
         bind(keyless)
         return _call_view(keyless, call, args, kwargs)
-
-    try:
-        scope = keys.resolve_scope(route.scope_func, req)
-        read_body(req)
-    except HTTPException as exc:  # missing_scope, malformed_body, 413
-        state.metrics.refused(exc)
-        raise
     record_key = digests.record_key(scope, key)
     fingerprint = route.fingerprint_func(req)
     attempt = Attempt(
@@ -293,8 +288,8 @@ def _settle_keyless(attempt: Attempt, response: Response) -> Response:
 
 
 def _settle_claim(attempt: Attempt, response: Response) -> Response:
-    state = attempt.app_state
-    assert attempt.record_key is not None
+    state, req = attempt.app_state, attempt.request
+    assert attempt.record_key is not None and req is not None
     try:
         settlement, stored = attempt.capture(response)
     except BaseException:
@@ -304,8 +299,7 @@ def _settle_claim(attempt: Attempt, response: Response) -> Response:
         raise
     if settlement is flow.Settlement.RELEASE:
         _release(attempt, status=response.status_code)
-        if not attempt.own_error:
-            responses.mark_original(response, state.profile)
+        responses.mark_original(response, state.profile)  # (the view returned it: not ours)
         return response
     if settlement is flow.Settlement.TOO_LARGE or stored is None:
         return _not_stored(attempt, response, ResponseTooLarge())
@@ -313,7 +307,8 @@ def _settle_claim(attempt: Attempt, response: Response) -> Response:
     if not responses.storable(stored):
         return _not_stored(attempt, response, ResponseNotStorable())
 
-    if state.settings.testing_drills and _drilled(attempt):
+    if state.settings.testing_drills and req.headers.get(DRILL_HEADER) == DRILL_FAIL_AFTER_VIEW:
+        # ``assert_idempotent``'s atomicity drill asks this attempt to fail now.
         _release(attempt, status=DrillFailure.code)
         return _error_response(DrillFailure(retry_after=state.settings.retry_after))
     try:
@@ -341,12 +336,6 @@ def _not_stored(attempt: Attempt, response: Response, error: IdempotencyError) -
     attempt.release()
     response.close()
     return _error_response(error)
-
-
-def _drilled(attempt: Attempt) -> bool:
-    """``assert_idempotent``'s atomicity drill asks this attempt to fail now."""
-    req = attempt.request
-    return req is not None and req.headers.get(DRILL_HEADER) == DRILL_FAIL_AFTER_VIEW
 
 
 def _error_response(error: IdempotencyError) -> Response:

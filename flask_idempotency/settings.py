@@ -154,11 +154,12 @@ class Settings:
     #: Every process of a deployment must use the same mode.
     claim_mode: str = "row"
     #: ``IDEMPOTENCY_DATABASE_OPTIONS["statement_timeout"]``: seconds each of the extension's own
-    #: statements (claim, completion, release, lease renewal) may take, set with
-    #: ``SET LOCAL statement_timeout`` in the same round trip, so your view's own
-    #: statements keep your session's setting. The extension also gives up on its
-    #: statement 1 s after this if no answer came at all (a partition, a hung proxy:
-    #: the socket is shut down). Either way the request answers 503.
+    #: statements (claim, completion, release, lease renewal) may take; your view's own
+    #: statements keep your session's setting. The extension gives up on its statement
+    #: 1 s after this if no answer came (a partition, a hung proxy: the socket is shut
+    #: down); the claim and completion wait for locks for ``lock_timeout`` at most, and
+    #: maintenance statements (purge, recover) also send ``SET LOCAL statement_timeout``.
+    #: Either way the request answers 503.
     statement_timeout: float = 5.0
     #: ``IDEMPOTENCY_DATABASE_OPTIONS["lock_timeout"]``: seconds the extension's own statements wait
     #: for a row lock (``SET LOCAL lock_timeout``) before a 503; ``0`` waits up to the statement

@@ -76,13 +76,34 @@ class Joined:
     #: session first begins one, so a view that never uses it pays nothing for it.
     handle: PostgresRequest
 
-    def open(self) -> None:
-        """The attempt's transaction, opened if it is not yet (a ``503`` if
-        PostgreSQL cannot be reached)."""
-        try:
-            self.handle.connection()
-        except StoreUnavailableError as exc:
-            raise StoreUnavailable() from exc
+    def keep(self) -> None:
+        """The answer will be stored, or a recovery point commits (and the session's
+        next transaction is a new savepoint): flush what the session holds into the
+        attempt's transaction, so its ``COMMIT`` keeps it. Raises what the flush
+        raises."""
+        if self.session.in_transaction():
+            self.session.commit()
+
+    def discard(self) -> None:
+        """End the session's transaction without keeping it (the attempt is
+        released: the extension's own rollback follows; or it has ended)."""
+        if self.session.in_transaction():
+            try:
+                self.session.rollback()
+            except Exception as exc:  # the connection may be gone (an outage)
+                log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
+
+    def leave(self) -> None:
+        """Give the session back as it was; the attempt's transaction is over."""
+        self.discard()
+        self.session.info.pop(JOINED, None)
+        if self.outer.is_active:
+            # The extension's COMMIT or ROLLBACK ended the server's transaction; under
+            # autocommit mode, ending SQLAlchemy's view of it sends nothing more.
+            try:
+                self.outer.rollback()
+            except Exception as exc:  # the connection may be gone (an outage)
+                log.debug("idempotency: ending the joined transaction: %s", type(exc).__name__)
 
 
 class SessionJoin:
@@ -138,31 +159,6 @@ class SessionJoin:
         session.info[JOINED] = joined
         return joined
 
-    def keep(self, joined: Joined) -> None:
-        """The answer will be stored, or a recovery point commits (and the session's
-        next transaction is a new savepoint): flush what the session holds into the
-        attempt's transaction, so its ``COMMIT`` keeps it. Raises what the flush
-        raises."""
-        if joined.session.in_transaction():
-            joined.session.commit()
-
-    def discard(self, joined: Joined) -> None:
-        """The attempt is released: end the session's transaction without keeping it
-        (the extension's own rollback follows)."""
-        _rollback_quietly(joined.session)
-
-    def leave(self, joined: Joined) -> None:
-        """Give the session back as it was; the attempt's transaction is over."""
-        _rollback_quietly(joined.session)
-        joined.session.info.pop(JOINED, None)
-        if joined.outer.is_active:
-            # The extension's COMMIT or ROLLBACK ended the server's transaction; under
-            # autocommit mode, ending SQLAlchemy's view of it sends nothing more.
-            try:
-                joined.outer.rollback()
-            except Exception as exc:  # the connection may be gone (an outage)
-                log.debug("idempotency: ending the joined transaction: %s", type(exc).__name__)
-
 
 def _hand_connection(session: Session, transaction: SessionTransaction) -> None:
     """A joined session begins a transaction: it works on the attempt's connection
@@ -171,7 +167,10 @@ def _hand_connection(session: Session, transaction: SessionTransaction) -> None:
         return  # (a nested transaction works on its parent's connection)
     joined: Joined | None = session.info.get(JOINED)
     if joined is not None:
-        joined.open()
+        try:
+            joined.handle.connection()  # the attempt's transaction, opened if it is not yet
+        except StoreUnavailableError as exc:
+            raise StoreUnavailable() from exc
         session.connection(bind_arguments={"bind": joined.connection})
         return
     attempt = current_attempt() if has_app_context() else None
@@ -185,14 +184,6 @@ def _hand_connection(session: Session, transaction: SessionTransaction) -> None:
             "db.session.remove() in the view?): its writes would not commit with "
             "the stored answer. Keep using db.session; don't remove it in the view."
         )
-
-
-def _rollback_quietly(session: Session) -> None:
-    if session.in_transaction():
-        try:
-            session.rollback()
-        except Exception as exc:  # the connection may be gone (an outage)
-            log.debug("idempotency: session rollback failed: %s", type(exc).__name__)
 
 
 #: SQLAlchemy's default ``max_overflow`` of a ``QueuePool``.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from flask import Flask, current_app, has_app_context
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .lease import LeaseKeeper
     from .metrics import Metrics
     from .settings import Settings
+    from .sqlalchemy_session import SessionJoin
     from .store.memory import MemoryStore
     from .store.postgres import PostgresStore
 
@@ -35,22 +36,6 @@ log = logging.getLogger("flask_idempotency")
 
 #: ``app.extensions`` key of the extension's :class:`AppState`.
 EXTENSION_KEY = "idempotency"
-
-
-class SessionHooks(Protocol):
-    """How an application's SQLAlchemy session joins each attempt
-    (``sqlalchemy_session.SessionJoin``, with ``db=``); the attempt calls these
-    with its store handle, then with what ``join`` returned."""
-
-    def detach(self) -> None: ...
-
-    def join(self, handle: Any) -> Any: ...
-
-    def keep(self, joined: Any) -> None: ...
-
-    def discard(self, joined: Any) -> None: ...
-
-    def leave(self, joined: Any) -> None: ...
 
 
 @dataclasses.dataclass
@@ -66,7 +51,7 @@ class AppState:
     #: The error format and replay headers (``IDEMPOTENCY_PROFILE``).
     profile: Profile
     #: Joins the application's SQLAlchemy session to claimed attempts (``db=``).
-    sessions: SessionHooks | None = None
+    sessions: SessionJoin | None = None
     #: ``IDEMPOTENCY_AUTO_MIGRATE`` found PostgreSQL unreachable at start-up: the
     #: migrations run before the first request that reaches it instead.
     migrations_pending: bool = False
@@ -146,7 +131,5 @@ def current_retry_after() -> int:
 
 
 def install(app: Flask, state: AppState) -> None:
-    """Put ``state`` on ``app``; a second ``init_app`` on one app is a mistake."""
-    if EXTENSION_KEY in app.extensions:
-        raise RuntimeError("flask_idempotency is already initialised on this app")
+    """Put ``state`` on ``app`` (``init_app`` refused a second one on its first line)."""
     app.extensions[EXTENSION_KEY] = state

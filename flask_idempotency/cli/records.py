@@ -24,7 +24,7 @@ from flask.cli import with_appcontext
 from .. import digests, keys
 from ..digests import record_key
 from ..keys import parse_key
-from ..store.base import RecordInfo, StoreUnavailableError
+from ..store.base import RecordInfo
 from .output import echo_document, json_option
 from .prompts import confirm, yes_option
 from .target import command_state
@@ -214,10 +214,7 @@ def show(
     """
     state = command_state()
     rkey = _record_key(key, scope, read_authorization, headers)
-    try:
-        info = state.store.info(rkey)
-    except StoreUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
+    info = state.store.info(rkey)
     if info is None:
         raise click.ClickException("no record for that key and scope")
     fields = _record_fields(rkey, info)
@@ -251,25 +248,22 @@ def unlock(
     """
     state = command_state()
     rkey = _record_key(key, scope, read_authorization, headers)
-    try:
-        info = state.store.info(rkey)
-        if info is None or info.state != "processing":
-            raise click.ClickException("no processing record for that key and scope")
-        lease_left = _lease_live(info)
-        if lease_left is not None:
-            confirm(
-                f"record {digests.log_key(rkey)} is in flight: its holder still renews its "
-                f"lease (started {info.age_seconds:.0f} s ago, lease ends in "
-                f"{lease_left:.0f} s). Unlocking deletes it: the next request with this key "
-                "runs again, and if the holder is still calling the processor the payment "
-                "can be made twice.",
-                "Unlock it?",
-                yes=yes,
-                required_off_terminal=True,
-            )
-        released = state.store.unlock(rkey)
-    except StoreUnavailableError as exc:
-        raise click.ClickException(str(exc)) from exc
+    info = state.store.info(rkey)
+    if info is None or info.state != "processing":
+        raise click.ClickException("no processing record for that key and scope")
+    lease_left = _lease_live(info)
+    if lease_left is not None:
+        confirm(
+            f"record {digests.log_key(rkey)} is in flight: its holder still renews its "
+            f"lease (started {info.age_seconds:.0f} s ago, lease ends in "
+            f"{lease_left:.0f} s). Unlocking deletes it: the next request with this key "
+            "runs again, and if the holder is still calling the processor the payment "
+            "can be made twice.",
+            "Unlock it?",
+            yes=yes,
+            required_off_terminal=True,
+        )
+    released = state.store.unlock(rkey)
     if not released:
         raise click.ClickException("no processing record for that key and scope")
     state.cache.evict([rkey])

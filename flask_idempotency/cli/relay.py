@@ -84,7 +84,7 @@ def relay(
     with stop_on_signals() as stop:
         try:
             if once:
-                total = outbox.count_due(state.store)
+                total = int(outbox.counts(state.store)["due"])
                 with Progress(
                     "publishing events", total=total, interval=progress_interval
                 ) as progress:

@@ -13,6 +13,7 @@ consumer's queue is durable and bound to the types it handles; beside it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flask import Flask
@@ -146,10 +147,8 @@ class Publisher:
     def close(self) -> None:
         conn, self._conn, self._producer = self._conn, None, None
         if conn is not None:
-            try:
+            with contextlib.suppress(Exception):  # a dead socket: nothing left to close cleanly
                 conn.release()
-            except Exception:  # a dead socket: nothing left to close cleanly
-                pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +159,6 @@ class Subscription:
     queue: str
     routing_keys: Sequence[str]
     exchange_name: str
-    #: Extra queue arguments (both the queue and its ``.dlq``), e.g. ``x-queue-type``.
-    queue_arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def dead_letter_queue(self) -> str:
@@ -170,11 +167,11 @@ class Subscription:
     def queues(self) -> tuple[Any, Any]:
         """The kombu queue to consume (its bindings declare the exchange with it) and
         its dead-letter queue."""
-        ex, args = exchange(self.exchange_name), dict(self.queue_arguments)
+        ex = exchange(self.exchange_name)
         bindings = [kombu.binding(ex, routing_key=key) for key in self.routing_keys]
         return (
-            kombu.Queue(self.queue, bindings=bindings, durable=True, queue_arguments=args),
-            kombu.Queue(self.dead_letter_queue, durable=True, queue_arguments=args),
+            kombu.Queue(self.queue, bindings=bindings, durable=True),
+            kombu.Queue(self.dead_letter_queue, durable=True),
         )
 
 

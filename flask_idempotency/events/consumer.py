@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from flask import Flask, current_app
@@ -85,17 +84,11 @@ class ConsumerGuard:
     def __init__(self, handler: Handler, options: ConsumerOptions) -> None:
         self.handler = handler
         self.options = options
-        self.scope = f"consumer:{options.name}"
         self.__name__ = getattr(handler, "__name__", options.name)
         self.__doc__ = getattr(handler, "__doc__", None)
 
     def __call__(self, delivery: Delivery) -> Any:
         return self.handler(delivery)
-
-    def record_key(self, key: str) -> bytes:
-        if not key.isascii():
-            key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-        return digests.record_key(self.scope, key)
 
     def stored_record(self, returned: Any) -> StoredResponse:
         """What the completed record keeps of the handler's return value, committed
@@ -146,7 +139,10 @@ class ConsumerGuard:
         app = app if app is not None else current_app._get_current_object()  # type: ignore[attr-defined]
         # A fresh app context: ``g`` (and so ``connection()``) belongs to this message.
         with app.app_context():
-            return self._handle(app, delivery, dead_letter)
+            result = self._handle(app, delivery, dead_letter)
+        if result.outcome is ConsumerOutcome.DEAD_LETTERED:
+            app_state(app).metrics.fanout.dead_lettered(self.options.name, result.reason or "")
+        return result
 
     def _handle(self, app: Flask, delivery: Delivery, dead_letter: DeadLetter | None) -> Result:
         state = app_state(app)
@@ -156,7 +152,10 @@ class ConsumerGuard:
         key = self.options.key(delivery)
         if not key:
             return self._dead_letter_unclaimed(delivery, "missing_key", dead_letter)
-        record_key = self.record_key(str(key))
+        key = str(key)
+        if not key.isascii():  # record_key() takes an ASCII key, as a header is
+            key = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+        record_key = digests.record_key(f"consumer:{self.options.name}", key)
         with Attempt(state, record_key, delivery.fingerprint(), route) as attempt:
             try:
                 decision, existing = attempt.claim()
@@ -227,30 +226,28 @@ class ConsumerGuard:
             )
         if earlier is None:
             return Result(ConsumerOutcome.FENCED, reason="lease_lost", error=exc)
-        attempts = earlier + 1
+        attempts, limit = earlier + 1, self.options.max_attempts
         log.warning(
-            "consumer %s: handler failed on key %s (attempt %d of %d): %s",
+            "consumer %s: handler failed on key %s (attempt %d%s): %s",
             name,
             digests.log_key(record_key),
             attempts,
-            self.options.max_attempts,
+            "" if limit is None else f" of {limit}",
             type(exc).__name__,
         )
-        if attempts >= self.options.max_attempts or self.gives_up(exc):
-            result = Result(
-                ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
-            )
-            if self._copy_to_dead_letter(dead_letter, delivery, result, error):
-                self._best_effort(store.release_claim, record_key, token)
-                return result
-        self._best_effort(store.fail_attempt, record_key, token)
-        return Result(
-            ConsumerOutcome.RETRY,
-            self.retry_delay(attempts),
-            "handler_failed",
-            attempts=attempts,
-            error=exc,
+        result = Result(
+            ConsumerOutcome.DEAD_LETTERED, reason="handler_failed", attempts=attempts, error=exc
         )
+        final = (limit is not None and attempts >= limit) or self.gives_up(exc)
+        final = final and self._copy_to_dead_letter(dead_letter, delivery, result, error)
+        try:  # dead-lettered: released; else its lease ends now, for the next delivery
+            (store.release_claim if final else store.fail_attempt)(record_key, token)
+        except StoreUnavailableError as failure:  # the lease lapses, with the same effect
+            log.warning("consumer %s: could not record the attempt: %s", name, failure)
+        if final:
+            return result
+        delay = self.retry_delay(attempts)
+        return Result(ConsumerOutcome.RETRY, delay, "handler_failed", attempts=attempts, error=exc)
 
     def _given_up(
         self, attempt: Attempt, delivery: Delivery, dead_letter: DeadLetter | None
@@ -324,13 +321,3 @@ class ConsumerGuard:
             log.error("consumer %s: dead-lettering failed: %s", name, error)
             return False
         return True
-
-    @staticmethod
-    def _best_effort(
-        operation: Callable[[bytes, int], None], record_key: bytes, token: int
-    ) -> None:
-        """If PostgreSQL is away the lease lapses, with the same effect."""
-        try:
-            operation(record_key, token)
-        except StoreUnavailableError as exc:
-            log.warning("consumer: could not record the attempt: %s", exc)

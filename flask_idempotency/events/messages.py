@@ -120,8 +120,9 @@ def message_id_key(delivery: Delivery) -> str | None:
 class ConsumerOptions:
     name: str
     key: KeyFunc = message_id_key
-    #: Attempts before a failing message is dead-lettered (the N of the README).
-    max_attempts: int = 5
+    #: Attempts before a failing message is dead-lettered (the N of the README);
+    #: ``None``: no limit (a Celery task's retries are Celery's to count).
+    max_attempts: int | None = 5
     #: ``None``: the app's ``IDEMPOTENCY_LEASE`` / ``IDEMPOTENCY_TTL``.
     lease: float | None = None
     ttl: float | None = None
@@ -141,7 +142,7 @@ def consumer_options(
     name: str,
     *,
     key: KeyFunc | None,
-    max_attempts: int,
+    max_attempts: int | None,
     lease: float | timedelta | None,
     ttl: float | timedelta | None,
     retry_delay: float | timedelta,
@@ -153,8 +154,9 @@ def consumer_options(
         raise ValueError("an idempotency consumer needs a name (it scopes its records)")
     if key is not None and not callable(key):
         raise ValueError("idempotency consumer option key= must be callable")
-    losses = 1 if max_worker_losses is None else max_worker_losses  # None: no limit
-    for option, count in (("max_attempts", max_attempts), ("max_worker_losses", losses)):
+    for option, count in (("max_attempts", max_attempts), ("max_worker_losses", max_worker_losses)):
+        if count is None:
+            continue  # no limit
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"idempotency consumer option {option}= must be an integer >= 1")
     option = "idempotency consumer option "

@@ -91,18 +91,15 @@ WITH doomed AS (
 )
 DELETE FROM idempotency_outbox o USING doomed WHERE o.id = doomed.id
 """
-COUNT_EXPIRED = """
-SELECT count(*) FROM idempotency_outbox WHERE published_at IS NOT NULL AND expires_at <= now()
-"""
-#: What a relay would take now: pending and not deferred (``relay --once``'s total).
-COUNT_DUE = """
-SELECT count(*) FROM idempotency_outbox WHERE published_at IS NULL AND available_at <= now()
-"""
+#: Every figure of the outbox in one pass: ``due`` is what a relay would take now
+#: (pending and not deferred), ``expired`` what a purge would delete.
 COUNTS = """
 SELECT count(*) FILTER (WHERE published_at IS NULL),
        count(*) FILTER (WHERE published_at IS NOT NULL),
        coalesce(max(extract(epoch FROM now() - created_at))
-                FILTER (WHERE published_at IS NULL), 0)::float8
+                FILTER (WHERE published_at IS NULL), 0)::float8,
+       count(*) FILTER (WHERE published_at IS NULL AND available_at <= now()),
+       count(*) FILTER (WHERE published_at IS NOT NULL AND expires_at <= now())
   FROM idempotency_outbox
 """
 
@@ -247,22 +244,11 @@ def purge_batches(store: Any, batch_size: int) -> Iterator[int]:
             return
 
 
-def _row(store: Any, statement: str) -> Any:
-    with store.transaction() as conn, conn.cursor() as cur:
-        cur.execute(statement)
-        return cur.fetchone()
-
-
-def count_expired(store: Any) -> int:
-    return int(_row(store, COUNT_EXPIRED)[0])
-
-
-def count_due(store: Any) -> int:
-    """What a relay would take now (``relay --once``'s total)."""
-    return int(_row(store, COUNT_DUE)[0])
-
-
 def counts(store: Any) -> dict[str, float]:
-    """``pending``, ``published`` and ``oldest_pending_seconds`` (operators, tests)."""
-    pending, published, oldest = _row(store, COUNTS)
-    return {"pending": pending, "published": published, "oldest_pending_seconds": float(oldest)}
+    """``pending``, ``published``, ``oldest_pending_seconds``, ``due`` (``relay
+    --once``'s total) and ``expired`` (``purge``'s): the doctor, table stats, the CLI."""
+    with store.transaction() as conn, conn.cursor() as cur:
+        cur.execute(COUNTS)
+        row = cur.fetchone()
+    names = ("pending", "published", "oldest_pending_seconds", "due", "expired")
+    return {name: float(value) for name, value in zip(names, row, strict=True)}

@@ -275,12 +275,8 @@ class EmbeddedEvents:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         batch_size: int = 20,
     ) -> None:
-        store = app_state(app).store
-        self.relay = Relay(
-            store,
-            DirectPublisher(app, routes),
-            batch_size=batch_size,
-            poll_interval=poll_interval,
+        self.relay = Relay.for_app(
+            app, DirectPublisher(app, routes), batch_size=batch_size, poll_interval=poll_interval
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(

@@ -31,7 +31,6 @@ per ``table_stats_interval`` however often it is scraped.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import struct
@@ -39,7 +38,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable
-from typing import Any
 
 from flask import Flask, Response, request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
@@ -53,6 +51,7 @@ from ..observer import (
     RequestOutcome,
     Stage,
 )
+from ..recovery import route_options_of
 from ..state import app_state
 from ..workers import gunicorn_workers, pool_capacity
 from . import attach
@@ -135,6 +134,11 @@ class _Instruments:
             "cache_rejected",
             "Cached entries not replayed (failed verification, another version, expired)",
             ("reason",),
+        )
+        self.dead_lettered = counter(
+            "events_dead_lettered",
+            "Messages a consumer gave up on (dead-lettered), by consumer and reason",
+            ("consumer", "reason"),
         )
         self.redis_errors = counter(
             "redis_errors", "Redis commands that failed (treated as misses)", ("command",)
@@ -287,7 +291,7 @@ class PrometheusMetrics(Observer):
         for app in self._apps:
             for rule in app.url_map.iter_rules():
                 view = app.view_functions.get(rule.endpoint)
-                if rule.rule in self._routes_shown or not _is_idempotent(view):
+                if rule.rule in self._routes_shown or route_options_of(view) is None:
                     continue
                 self._routes_shown.add(rule.rule)
                 for outcome in RequestOutcome:
@@ -349,6 +353,9 @@ class PrometheusMetrics(Observer):
     def cache_rejected(self, reason: str) -> None:
         self._m.cache_rejected.labels(reason).inc()
 
+    def dead_lettered(self, consumer: str, reason: str) -> None:
+        self._m.dead_lettered.labels(consumer, reason).inc()
+
     def redis_failed(self, command: str) -> None:
         self._m.redis_errors.labels(command).inc()
 
@@ -379,16 +386,6 @@ def _breaker_changed(state_gauge: Gauge, opened: Counter, state: str) -> None:
         state_gauge.labels(name).set(1 if name == state else 0)
     if state == "open":
         opened.inc()
-
-
-def _is_idempotent(view: Any) -> bool:
-    """Whether ``view`` is (or wraps) a view decorated by ``required``/``optional``."""
-    from ..recovery import ROUTE_ATTRIBUTE  # set on the decorator's wrapper
-
-    def decorated(f: Any) -> bool:
-        return getattr(f, ROUTE_ATTRIBUTE, None) is not None
-
-    return decorated(inspect.unwrap(view, stop=decorated))
 
 
 #: The process that last logged the misconfiguration (a forked worker logs again:

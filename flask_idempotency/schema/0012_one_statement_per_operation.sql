@@ -89,9 +89,11 @@ BEGIN
         RETURN NEXT;
         RETURN;
     END IF;
+    -- coalesce: a processing row without a lease (written by hand, or by a release
+    -- that predates leases) is held, not taken, as idempotency_claim answers.
     IF e.expires_at > now()
-       AND NOT (e.state = 'processing' AND e.lease_expires_at <= now()
-                AND e.fingerprint IN (p_fingerprint, as_written_before)) THEN
+       AND NOT coalesce(e.state = 'processing' AND e.lease_expires_at <= now()
+                        AND e.fingerprint IN (p_fingerprint, as_written_before), false) THEN
         -- a live record: a replay, a 409 or a 422, decided by the caller
         r_claimed := false;
         r_state := e.state;

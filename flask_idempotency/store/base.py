@@ -128,7 +128,7 @@ class Store(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Taken:
-    """An abandoned record the completer took over (``Maintenance.take_over``)."""
+    """An abandoned record the completer took over (``PostgresStore.take_over``)."""
 
     record_key: bytes
     fingerprint: bytes

@@ -13,7 +13,8 @@ a pool connection (they noted ``openings`` when admitted). After ``cooldown``
 exactly one request goes through as a probe; its answer closes the breaker.
 
 Any answer from the server counts as a success: a unique violation, a lock
-timeout or a 409 are a live server's.
+timeout or a 409 are a live server's. Each statement's ending is counted where
+every statement runs, ``runner.watched``.
 """
 
 from __future__ import annotations
@@ -21,14 +22,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from ..circuit import BreakerState, CircuitBreaker
 from ..observer import Observer
-from . import driver
 from .base import BreakerOpenError
-from .driver import sqlstate
-from .errors import READ_ONLY_SQLSTATE, is_unreachable
 
 log = logging.getLogger("flask_idempotency.store")
 
@@ -85,32 +82,6 @@ class StoreBreaker(CircuitBreaker):
     #: (``WATCHDOG.watch(conn, seconds, breaker.no_answer)``), so statements that ran
     #: out together are counted before any of their threads takes a new request.
     no_answer = failed
-
-    def outcome(
-        self,
-        conn: Any,
-        error: BaseException | None,
-        *,
-        fired: bool,
-        retried_if_lost: bool = False,
-    ) -> None:
-        """Count how one of the extension's statements on ``conn`` ended, once its
-        caller has it: failed with ``error`` or answered (a statement the watchdog
-        cut, ``fired``, was counted by :meth:`no_answer`). Only a lost connection
-        counts as a failure among errors, and not when the caller retries it on a
-        fresh connection (``retried_if_lost``: that attempt counts); a refusal to
-        write (a standby) is an answer, as are a constraint or a timeout of the
-        server's."""
-        if fired or (error is not None and not isinstance(error, driver.ERRORS)):
-            return
-        if (
-            error is None
-            or not is_unreachable(error, conn)
-            or sqlstate(error) == READ_ONLY_SQLSTATE
-        ):
-            self.answered()
-        elif not retried_if_lost:
-            self.failed(type(error).__name__)
 
     def _report(self, state: BreakerState) -> None:
         observer = self._observer()

@@ -1,7 +1,7 @@
 """What ``flask idempotency doctor`` reads of the server: its settings as the
 app's sessions start with them, the records table's vacuum statistics, its clock.
 
-Read-only, run through :meth:`~.maintenance.Maintenance.read` under the store's
+Read-only, run through :meth:`~.postgres.PostgresStore.read` under the store's
 timeouts and deadline, like every other statement of the extension.
 """
 

@@ -55,8 +55,6 @@ def sqlstate(exc: BaseException) -> str | None:
 class Driver:
     """psycopg2: the driver's own cursor already does what the store needs."""
 
-    name = "psycopg2"
-
     def cursor(self, conn: Any) -> Any:
         """A cursor that takes several statements with parameters in one call."""
         return conn.cursor()
@@ -66,45 +64,36 @@ class Driver:
         cur.execute(sql, params)
 
     def in_transaction(self, conn: Any) -> bool:
-        """Whether ``conn`` is inside a transaction (or a failed one), not idle.
-        (psycopg2's ``conn.info`` builds an object per read: asked directly.)"""
-        return bool(conn.get_transaction_status())
+        """Whether ``conn`` is inside a transaction (or a failed one), not idle."""
+        return bool(conn.info.transaction_status)
 
 
 class Psycopg3Driver(Driver):
     """psycopg 3: a client-side binding cursor, moved on to the last result."""
 
-    name = "psycopg"
-
-    def __init__(self) -> None:
-        self._client_cursor: Any = None
-
     def cursor(self, conn: Any) -> Any:
-        if self._client_cursor is None:
-            self._client_cursor = _speak_psycopg3().ClientCursor
-        return self._client_cursor(conn)
+        return _speak_psycopg3().ClientCursor(conn)
 
     def execute(self, cur: Any, sql: str, params: Any = None) -> None:
         cur.execute(sql, params)
         while cur.nextset():
             pass
 
-    def in_transaction(self, conn: Any) -> bool:
-        return bool(conn.info.transaction_status)
-
 
 PSYCOPG2 = Driver()
 PSYCOPG3 = Psycopg3Driver()
 
 
-def for_dialect(driver_name: str) -> Driver:
-    """The driver of a SQLAlchemy dialect (``engine.dialect.driver``)."""
-    if driver_name == "psycopg2":
+def for_dialect(dialect: Any) -> Driver:
+    """The driver of a SQLAlchemy engine's ``dialect``: PostgreSQL's, through
+    psycopg2 or psycopg 3."""
+    name = f"{dialect.name}+{dialect.driver}"
+    if name == "postgresql+psycopg2":
         return PSYCOPG2
-    if driver_name == "psycopg":
+    if name == "postgresql+psycopg":
         _speak_psycopg3()
         return PSYCOPG3
     raise ValueError(
-        f"flask_idempotency needs the postgresql+psycopg2 or postgresql+psycopg dialect, "
-        f"not postgresql+{driver_name}"
+        f"flask_idempotency needs PostgreSQL, through the postgresql+psycopg2 or "
+        f"postgresql+psycopg dialect; the engine is {name}"
     )

@@ -58,10 +58,11 @@ def is_unreachable(exc: BaseException, conn: Any = None) -> bool:
 MAX_REASON_LENGTH = 200
 
 
-def connect_failure(exc: BaseException) -> str:
-    """Why a connection could not be opened, for the log: the exception's class and
-    the first line of libpq's message (the host and port it tried, and what failed:
-    refused, timed out, a certificate not verified, authentication).
+def reason_of(exc: BaseException) -> str:
+    """A driver error, for a log line or an error's detail: the exception's class
+    and the first line of libpq's message (for a connect, the host and port it
+    tried, and what failed: refused, timed out, a certificate not verified,
+    authentication; for a statement, the object it named and did not find).
 
     libpq's messages name hosts, ports and users, never a password; the class
     alone ("OperationalError") left an operator guessing at start-up.

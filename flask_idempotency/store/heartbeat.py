@@ -38,8 +38,7 @@ class Heartbeat:
         interval: float = HEARTBEAT_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # A store of the application's own making (tests' fakes) may keep no heartbeats.
-        self._report: Callable[[str, str], None] | None = getattr(store, "heartbeat", None)
+        self._report: Callable[[str, str], None] = store.heartbeat
         self.worker = worker
         self.interval = interval
         self._clock = clock
@@ -48,8 +47,6 @@ class Heartbeat:
 
     def beat(self) -> None:
         """Report a run, unless this process reported less than ``interval`` ago."""
-        if self._report is None:
-            return
         now = self._clock()
         if self._last is not None and now - self._last < self.interval:
             return

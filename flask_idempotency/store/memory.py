@@ -20,7 +20,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import one_process, schema
@@ -63,13 +63,12 @@ class _Record:
     expires_at: float
     lease_expires_at: float | None
     response: StoredResponse | None = None
-    completed_at: float | None = None
     phases: list[tuple[str, Any]] = dataclasses.field(default_factory=list)
 
 
 class MemoryStore:
-    """The records of one process, behind one lock; ``clock`` is seconds (monotonic)
-    so tests can move it instead of sleeping."""
+    """The records of one process, behind one lock, on the monotonic clock, which
+    tests move (:meth:`advance`) instead of sleeping."""
 
     #: Requests hold no pooled connection: nothing to size or observe.
     pool = None
@@ -78,8 +77,7 @@ class MemoryStore:
     #: read or change records (``cli.target`` answers for them under ``memory://``).
     transaction = info = unlock = purge = count_expired = no_connection
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._base_clock = clock
+    def __init__(self) -> None:
         self._offset = 0.0
         self._lock = threading.Lock()
         self._records: dict[bytes, _Record] = {}
@@ -89,7 +87,7 @@ class MemoryStore:
         self.schema = schema.SchemaWatch(lambda: None)
 
     def _clock(self) -> float:
-        return self._base_clock() + self._offset
+        return time.monotonic() + self._offset
 
     def advance(self, seconds: float) -> None:
         """Move this store's clock ``seconds`` forward: a test expires leases and
@@ -138,9 +136,6 @@ class MemoryStore:
         return []
 
     pending_migrations = migrate
-
-    def check_schema_at_start(self) -> None:
-        """No schema to check."""
 
     def ping(self) -> None:
         """Always answers (in the process that created it)."""
@@ -229,7 +224,7 @@ class MemoryRequest:
             if record is None:
                 raise LeaseLostError()
             now = self._store._clock()
-            record.state, record.response, record.completed_at = "completed", response, now
+            record.state, record.response = "completed", response
             record.token = record.lease_expires_at = None
             # As migration 0009: the claim's expiry stands unless the view took
             # more than a tenth of the TTL; an answer lives 0.9 TTL after it is stored.

@@ -66,25 +66,24 @@ DELETE FROM idempotency_schema_migrations WHERE starts_with(name, 'flask_idempot
 """
 
 
+def _files(folder: Any, prefix: str) -> list[tuple[str, str]]:
+    """The migration files in ``folder`` (a directory or package data), in order."""
+    names = sorted(f.name for f in folder.iterdir() if _MIGRATION_NAME.match(f.name))
+    return [(f"{prefix}/{n}", folder.joinpath(n).read_text("utf-8")) for n in names]
+
+
 def package_migrations() -> list[tuple[str, str]]:
     """The extension's own schema, shipped as package data."""
-    files = resources.files("flask_idempotency").joinpath("schema")
-    names = sorted(f.name for f in files.iterdir() if _MIGRATION_NAME.match(f.name))
-    return [(f"flask_idempotency/{n}", files.joinpath(n).read_text("utf-8")) for n in names]
-
-
-def directory_migrations(directory: str) -> list[tuple[str, str]]:
-    path = Path(directory)
-    if not path.is_dir():
-        raise FileNotFoundError(f"migration directory {directory!r} does not exist")
-    names = sorted(p.name for p in path.iterdir() if _MIGRATION_NAME.match(p.name))
-    return [(f"{path.name}/{n}", (path / n).read_text("utf-8")) for n in names]
+    return _files(resources.files("flask_idempotency").joinpath("schema"), "flask_idempotency")
 
 
 def all_migrations(extra_dirs: Sequence[str]) -> list[tuple[str, str]]:
+    """The extension's files, then each of ``extra_dirs``' (``IDEMPOTENCY_MIGRATION_DIRS``)."""
     found = package_migrations()
-    for directory in extra_dirs:
-        found.extend(directory_migrations(directory))
+    for directory in map(Path, extra_dirs):
+        if not directory.is_dir():
+            raise FileNotFoundError(f"migration directory {str(directory)!r} does not exist")
+        found.extend(_files(directory, directory.name))
     return found
 
 
@@ -111,11 +110,14 @@ def pending(cur: Any, names: list[str]) -> list[str]:
     """The migration ``names`` the database has not applied (all of them before the
     first migrate), read without taking the migration lock."""
     cur.execute(LEDGER_EXISTS)
-    if not cur.fetchall()[0][0]:
-        return names
-    cur.execute("SELECT name FROM idempotency_schema_migrations")
-    done = {row[0] for row in cur.fetchall()}
+    done = applied(cur) if cur.fetchall()[0][0] else set()
     return [name for name in names if name not in done]
+
+
+def applied(cur: Any) -> set[str]:
+    """The names the ledger holds (which exists)."""
+    cur.execute("SELECT name FROM idempotency_schema_migrations")
+    return {row[0] for row in cur.fetchall()}
 
 
 def apply_in_transaction(cur: Any, migrations: Iterable[tuple[str, str]]) -> list[str]:
@@ -132,8 +134,7 @@ def apply_in_transaction(cur: Any, migrations: Iterable[tuple[str, str]]) -> lis
     applied_now: list[str] = []
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (ADVISORY_LOCK_ID,))
     cur.execute(CREATE_LEDGER)
-    cur.execute("SELECT name FROM idempotency_schema_migrations")
-    done = {row[0] for row in cur.fetchall()}
+    done = applied(cur)
     for name, sql in migrations:
         if name in done:
             continue

@@ -51,7 +51,7 @@ from ..observer import Observer
 from . import driver
 from .base import BreakerOpenError, StoreUnavailableError
 from .driver import Driver, for_dialect
-from .errors import connect_failure, is_unreachable
+from .errors import is_unreachable, reason_of
 from .schema import mismatch
 
 #: A DBAPI connection (psycopg2's or psycopg 3's), as the store's statements use it.
@@ -173,9 +173,7 @@ def _unavailable(exc: BaseException) -> NoReturn:
     if isinstance(exc, sqlalchemy.exc.TimeoutError):
         raise StoreUnavailableError(f"no free database connection in the pool: {exc}") from exc
     cause = getattr(exc, "orig", None) or exc
-    raise StoreUnavailableError(
-        f"cannot connect to PostgreSQL: {connect_failure(cause)}"
-    ) from cause
+    raise StoreUnavailableError(f"cannot connect to PostgreSQL: {reason_of(cause)}") from cause
 
 
 class EnginePool:
@@ -188,10 +186,8 @@ class EnginePool:
     def __init__(
         self, engine: Engine, *, owned: bool = False, max_overflow: int | None = None
     ) -> None:
-        if engine.dialect.name != "postgresql":
-            raise ValueError(
-                f"flask_idempotency needs PostgreSQL; the engine is {engine.dialect.name}"
-            )
+        #: How the engine's DBAPI connections take the store's statements.
+        self.driver: Driver = for_dialect(engine.dialect)
         self.engine = engine
         #: The extension built the engine (and disposes of it on ``close()``).
         self.owned = owned
@@ -199,8 +195,6 @@ class EnginePool:
         #: it): none for the extension's own engine; Flask-SQLAlchemy's from its
         #: config; unknown for an engine given with ``engine=``.
         self._max_overflow = 0 if owned else max_overflow
-        #: How the engine's DBAPI connections take the store's statements.
-        self.driver: Driver = for_dialect(engine.dialect.driver)
         #: DBAPI connection -> the SQLAlchemy connection it was lent with.
         self._lent: dict[Any, SAConnection] = {}
         self._lock = threading.Lock()

@@ -5,7 +5,7 @@ processing row of its own and holds it with a lease; transaction mode opens the
 business transaction with the claim, under advisory locks, and its COMMIT
 inserts the completed record. Everything else (the view's transaction, the
 completion's fencing, the release, recovery points) is shared. Every statement goes
-through ``runner.run`` (deadline, breaker, "unreachable"), and its text is
+through ``runner.watched`` (deadline, breaker, "unreachable"), and its text is
 ``sql.Statements``' one for the operation.
 """
 
@@ -30,7 +30,7 @@ from .breaker import StoreBreaker
 from .driver import Driver, sqlstate
 from .errors import is_unreachable
 from .pool import Checkout, Connection, EnginePool
-from .runner import NoAnswer, run
+from .runner import NoAnswer, watched
 from .schema import mismatch
 from .sql import Statements
 
@@ -116,20 +116,20 @@ class PostgresRequest:
         fetch: bool = False,
         retry: bool = False,
         bounded: bool = False,
-        fenced: bool = False,
         own: bool = False,
     ) -> Any:
         """Run one of the extension's statements on this request's connection
-        (``runner.run``: the deadline, the breaker); the first row if ``fetch``.
+        (``runner.watched``: the deadline, the breaker); the first row if ``fetch``.
 
         ``retry``: nothing of this request's is on the connection yet, so a pooled
         one that turns out dead (a restart) is replaced once (the statement never
         reached the server). ``bounded`` (the claim): one deadline for everything it
         waits on, the pool, a connect and the statement. A lost connection is
         dropped (``StoreUnavailableError``); an error the server answered rolls the
-        transaction back and is a ``LeaseLostError`` when ``fenced`` and the record
-        was taken over, the driver's own error when it is the application's
-        (``own``: a deferred constraint at ``COMMIT``), else :func:`answered`.
+        transaction back and is the driver's own error when it is the application's
+        (``own``: a deferred constraint at ``COMMIT``), a ``LeaseLostError`` when a
+        fenced statement (a completion, a recovery point) found the record taken
+        over, else :func:`answered`.
         """
         until = time.monotonic() + self._store.deadline if bounded else None
         while True:
@@ -139,29 +139,26 @@ class PostgresRequest:
                 seconds = min(seconds, until - time.monotonic())
                 if seconds <= 0:
                     raise StoreUnavailableError("the claim's deadline passed before it was sent")
+            # Cut after less than half the deadline (the claim's time went on waiting
+            # for a connection), a statement says too little about the server to count.
+            counts = seconds >= self._store.deadline / 2
+            drv = self._store.driver
             try:
-                return run(
-                    conn,
-                    self._store.driver,
-                    statement,
-                    params,
-                    deadline=seconds,
-                    breaker=self._breaker,
-                    fetch=fetch,
-                    # Cut after less than half the deadline (the claim's time went on
-                    # waiting for a connection): too little said about the server.
-                    counts=seconds >= self._store.deadline / 2,
-                    retried_if_lost=retry,
-                )
+                with (
+                    watched(conn, seconds, self._breaker, counts=counts, retried_if_lost=retry),
+                    drv.cursor(conn) as cur,
+                ):
+                    drv.execute(cur, statement, params)
+                    return cur.fetchone() if fetch else None
             except driver.ERRORS as exc:
                 if not self._lost(exc):
                     # The server answered (a statement or lock timeout, a missing
                     # table): the connection is sound and stays with the request.
                     self.rollback()
-                    if fenced and sqlstate(exc) == sql.LEASE_LOST_SQLSTATE:
-                        raise LeaseLostError() from exc
                     if own:
                         raise
+                    if sqlstate(exc) == sql.LEASE_LOST_SQLSTATE:  # (raised by fenced ones only)
+                        raise LeaseLostError() from exc
                     raise answered(what, exc) from exc
                 self._drop()
                 if not retry or self._unresponsive:
@@ -224,10 +221,9 @@ class PostgresRequest:
         trip, two advisory locks; no processing row, no lease). ``Claimed`` leaves it
         open for the view; any other answer is for the caller to ``close()``."""
         self.rollback()  # a waiting duplicate's earlier try
-        text = self._store.statements.claim_in_transaction
         params = (record_key, *sql.advisory_locks(record_key, fingerprint))
         try:
-            row = self._send("claim", text, params, **CLAIMING)
+            row = self._send("claim", sql.CLAIM_IN_TRANSACTION, params, **CLAIMING)
         except StoreUnavailableError:
             if self._conn is not None:
                 self._in_transaction = True  # (its BEGIN ran: roll it back on close)
@@ -273,7 +269,7 @@ class PostgresRequest:
             text, params = statements.complete, (record_key, token, *answer)
         if not self._in_transaction:
             text = "BEGIN;\n" + text  # (its COMMIT must end a transaction)
-        self._send("completion", text, params, fenced=True)
+        self._send("completion", text, params)
         self._in_transaction = False
         self._claimed = None
 
@@ -287,7 +283,7 @@ class PostgresRequest:
         if not self._in_transaction:
             text = "BEGIN;\n" + text
         self._in_transaction = True
-        self._send("checkpoint", text, (record_key, token, phase, data_json), fenced=True)
+        self._send("checkpoint", text, (record_key, token, phase, data_json))
         self.has_progress = True
 
     def count_recovered(self) -> None:

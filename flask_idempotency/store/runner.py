@@ -2,7 +2,7 @@
 
 Every statement the store sends (a request's claim and completion, the
 keeper's renewal, a health check, the schema's inspection) goes through
-:func:`run`, which owns the three things they share:
+:func:`watched`, which owns the three things they share:
 
 * the client-side deadline (``watchdog.py``): a server that stopped answering
   costs one deadline, never a hung thread;
@@ -24,7 +24,8 @@ import psycopg2
 
 from . import driver
 from .breaker import StoreBreaker
-from .driver import Driver
+from .driver import sqlstate
+from .errors import READ_ONLY_SQLSTATE, is_unreachable
 from .watchdog import WATCHDOG
 
 
@@ -41,11 +42,19 @@ def watched(
     counts: bool = True,
     retried_if_lost: bool = False,
 ) -> Iterator[None]:
-    """The block's statements on ``conn`` under one client-side deadline; how they
-    ended goes to ``breaker`` (unless ``None``). A connection the watchdog shut
-    down is closed, and the block raises ``NoAnswer`` (from the driver's error, or
-    even if its statement returned: an answer as the socket was shut down is not
-    to be trusted)."""
+    """The block's statements on ``conn`` under one client-side deadline. A
+    connection the watchdog shut down is closed, and the block raises ``NoAnswer``
+    (from the driver's error, or even if its statement returned: an answer as the
+    socket was shut down is not to be trusted).
+
+    How they ended goes to ``breaker`` (unless ``None``), once: a statement the
+    watchdog cut is counted as it fires (``breaker.no_answer``), unless ``counts``
+    is false (cut short because its request waited elsewhere). Any answer from the
+    server counts as one, a refusal to write (a standby), a constraint or a
+    timeout of the server's included; among errors only a lost connection is a
+    failure, and not when the caller retries it on a fresh connection
+    (``retried_if_lost``: a pooled connection that died while idle says nothing
+    about the server now; the retry counts instead)."""
     ticket = WATCHDOG.watch(conn, deadline, breaker.no_answer if breaker and counts else None)
     error: BaseException | None = None
     try:
@@ -55,39 +64,16 @@ def watched(
         raise
     finally:
         fired = WATCHDOG.unwatch(ticket)
-        if breaker is not None:
-            breaker.outcome(conn, error, fired=fired, retried_if_lost=retried_if_lost)
+        if breaker and not fired and (error is None or isinstance(error, driver.ERRORS)):
+            if (
+                error is None
+                or not is_unreachable(error, conn)
+                or sqlstate(error) == READ_ONLY_SQLSTATE
+            ):
+                breaker.answered()
+            elif not retried_if_lost:
+                breaker.failed(type(error).__name__)
         if fired:
             conn.close()
             if error is None or isinstance(error, driver.ERRORS):
                 raise NoAnswer("no answer from PostgreSQL before the deadline") from error
-
-
-def run(
-    conn: Any,
-    drv: Driver,
-    sql: str,
-    params: Any = None,
-    *,
-    deadline: float,
-    breaker: StoreBreaker | None,
-    fetch: bool = False,
-    counts: bool = True,
-    retried_if_lost: bool = False,
-) -> Any:
-    """Run ``sql`` on ``conn`` within ``deadline`` seconds (:func:`watched`); the first
-    row if ``fetch``, else the number of rows the last statement touched.
-
-    Raises the driver's errors (``NoAnswer`` past the deadline). The breaker hears
-    of the outcome unless ``breaker`` is ``None``: a statement cut with ``counts``
-    false (cut short because its request waited elsewhere) is not counted, nor a
-    lost connection the caller retries on a fresh one (``retried_if_lost``: a
-    pooled connection that died while idle says nothing about the server now; the
-    retry counts instead).
-    """
-    with (
-        watched(conn, deadline, breaker, counts=counts, retried_if_lost=retried_if_lost),
-        drv.cursor(conn) as cur,
-    ):
-        drv.execute(cur, sql, params)
-        return cur.fetchone() if fetch else cur.rowcount

@@ -26,6 +26,7 @@ from typing import Any
 from . import migrations
 from .base import SchemaMismatchError
 from .driver import sqlstate
+from .errors import reason_of
 
 log = logging.getLogger("flask_idempotency.store")
 
@@ -72,10 +73,10 @@ def mismatch(exc: BaseException) -> SchemaMismatchError | None:
     is missing; ``None`` for anything else."""
     if sqlstate(exc) not in SCHEMA_SQLSTATES:
         return None
-    first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
-    missing = sqlstate(exc) == "42P01" and "idempotency_records" in first_line
+    reason = reason_of(exc)
+    missing = sqlstate(exc) == "42P01" and "idempotency_records" in reason
     what = "has no idempotency tables" if missing else "lacks part of the idempotency schema"
-    detail = f"the database {what} ({type(exc).__name__}: {first_line.strip()}); {FIX}"
+    detail = f"the database {what} ({reason}); {FIX}"
     return SchemaMismatchError(detail, missing=missing)
 
 
@@ -90,7 +91,8 @@ def inspect(cur: Any, names: list[str]) -> Problem | None:
     ledger, records = cur.fetchall()[0]
     if records and not ledger:
         return None
-    todo = migrations.pending(cur, names) if ledger else names
+    done = migrations.applied(cur) if ledger else set()
+    todo = [name for name in names if name not in done]
     if not todo:
         return None
     if len(todo) == len(names):

@@ -1,7 +1,7 @@
 """Every statement on the extension's tables, and how its parameters are built.
 
 The one place SQL on ``idempotency_records`` is written: the request path
-(``request.py``), the store's maintenance (``postgres.py``, ``maintenance.py``),
+(``request.py``), the store's maintenance (``postgres.py``),
 the completer and the consumer guard all run these, under the store's
 ``SET LOCAL`` timeouts and client-side deadline.
 """
@@ -192,9 +192,6 @@ SELECT count(*), count(*) FILTER (WHERE recovery IS NOT NULL),
 
 # -- the consumer guard (``events/consumer.py``): failed attempts of a message
 
-#: Counts the failed attempt (its lease ends now, the record stays, so the next
-#: delivery takes it over and ``takeovers`` grows) and says how many came before.
-FAIL_ATTEMPT = END_LEASE.rstrip() + "\nRETURNING takeovers\n"
 ATTEMPTS_SO_FAR = """
 SELECT takeovers FROM idempotency_records
  WHERE record_key = %s AND lock_token = %s AND state = 'processing'
@@ -232,7 +229,6 @@ class Statements:
     when it did."""
 
     claim: str
-    claim_in_transaction: str
     complete: str
     insert_completed: str
     checkpoint: str
@@ -242,16 +238,14 @@ class Statements:
     ping: str
 
     @classmethod
-    def build(
-        cls, *, statement_timeout: float, lock_timeout: float, async_claim_commit: bool
-    ) -> Statements:
-        timeouts = timeouts_sql(statement_timeout, lock_timeout)
-        lock = lock_timeout_arg(statement_timeout, lock_timeout)
+    def build(cls, settings: Any) -> Statements:
+        """The texts for ``settings`` (``settings.Settings``: the statement and lock
+        timeouts, ``async_claim_commit``)."""
+        timeouts = timeouts_sql(settings.statement_timeout, settings.lock_timeout)
+        lock = lock_timeout_arg(settings.statement_timeout, settings.lock_timeout)
+        async_commit = "true" if settings.async_claim_commit else "false"
         return cls(
-            claim=CLAIM.replace("{lock_timeout}", lock).replace(
-                "{async_commit}", "true" if async_claim_commit else "false"
-            ),
-            claim_in_transaction=CLAIM_IN_TRANSACTION,
+            claim=CLAIM.replace("{lock_timeout}", lock).replace("{async_commit}", async_commit),
             complete=COMPLETE.replace("{lock_timeout}", lock) + ";\nCOMMIT",
             insert_completed=INSERT_COMPLETED.replace("{lock_timeout}", lock) + ";\nCOMMIT",
             # The view's transaction so far commits with the recovery point, and the

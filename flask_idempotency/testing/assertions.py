@@ -88,8 +88,8 @@ class IdempotencyReport:
     in_progress_retries: int
     #: How many times the view ran (the ``executions`` hook's difference), if given.
     executions: int | None
-    #: The status of the same key with a different body (``422``), unless not checked.
-    mismatch_status: int | None
+    #: The status of the same key with a different body (``422``).
+    mismatch_status: int
 
 
 def preview(body: bytes) -> str:
@@ -132,13 +132,13 @@ def _send(request: _Request) -> Answer:
         return Answer(response.status, received, response.read())
 
 
-def _send_until_final(request: _Request, deadline: float, retry_in_progress: bool) -> Answer:
+def _send_until_final(request: _Request, deadline: float) -> Answer:
     """One duplicate: sent, and re-sent while it is answered ``409`` with ``Retry-After``."""
     retries = 0
     pause = 0.01
     while True:
         answer = _send(request)
-        if not (retry_in_progress and answer.in_progress) or time.monotonic() >= deadline:
+        if not answer.in_progress or time.monotonic() >= deadline:
             return dataclasses.replace(answer, in_progress_retries=retries)
         retries += 1
         # Faster than Retry-After (whole seconds): a test wants the answer as soon as it exists.
@@ -146,31 +146,25 @@ def _send_until_final(request: _Request, deadline: float, retry_in_progress: boo
         pause = min(pause * 2, 0.1)
 
 
-def _encode(
-    json: Any, data: bytes | str | None, headers: dict[str, str]
-) -> tuple[bytes | None, Any]:
-    """The body to send, and the parsed JSON it holds (``_MISSING`` if none)."""
-    if json is not _MISSING:
-        if data is not None:
-            raise TypeError("pass json= or data=, not both")
-        if not any(name.lower() == "content-type" for name in headers):
-            headers["Content-Type"] = "application/json"
-        return jsonlib.dumps(json).encode("utf-8"), json
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    if data is None:
-        return None, _MISSING
-    try:
-        return data, jsonlib.loads(data)
-    except ValueError:
-        return data, _MISSING
+def _encode(json: Any, data: bytes | str | None, headers: dict[str, str]) -> bytes | None:
+    """The body to send: ``json`` serialised (``Content-Type: application/json``
+    unless ``headers`` name one), else ``data``."""
+    if json is _MISSING:
+        return data.encode("utf-8") if isinstance(data, str) else data
+    if data is not None:
+        raise TypeError("pass json= or data=, not both")
+    if not any(name.lower() == "content-type" for name in headers):
+        headers["Content-Type"] = "application/json"
+    return jsonlib.dumps(json).encode("utf-8")
 
 
-def _mismatched(parsed: Any, body: bytes | None) -> bytes:
+def _mismatched(body: bytes | None) -> bytes:
     """A body the extension must see as different from ``body``: another JSON value
     when ``body`` is JSON (whitespace or key order would not do), else other bytes."""
     marker = f"assert_idempotent:{secrets.token_hex(4)}"
-    if parsed is _MISSING:
+    try:
+        parsed = jsonlib.loads(body or b"")
+    except ValueError:
         return (body or b"") + marker.encode("ascii")
     if isinstance(parsed, dict):
         changed: Any = {**parsed, "_assert_idempotent_probe": marker}
@@ -214,10 +208,6 @@ def assert_idempotent(
     key_header: str = "Idempotency-Key",
     executions: Callable[[], int] | None = None,
     database_url: str | None = None,
-    mismatched_json: Any = _MISSING,
-    mismatched_data: bytes | str | None = None,
-    check_mismatch: bool = True,
-    retry_in_progress: bool = True,
     timeout: float = 30.0,
     atomicity_drill: bool = False,
 ) -> IdempotencyReport:
@@ -228,9 +218,8 @@ def assert_idempotent(
     ``Authorization``, say); the key is ``key``, else a fresh random one, in
     ``key_header``. ``executions`` is a callable returning how many times the
     view has run so far; ``database_url`` the app's database, to check its
-    ``idempotency_records``. The ``422`` probe sends ``mismatched_json`` /
-    ``mismatched_data``, by default the body with one field added
-    (``check_mismatch=False`` skips it). ``timeout`` bounds the whole check,
+    ``idempotency_records``. The ``422`` probe sends the body with one field
+    added (other bytes for a body that is not JSON). ``timeout`` bounds the whole check,
     retries of ``409`` answers included. ``atomicity_drill`` also fails one attempt
     after its view returned (see the module's docstring).
 
@@ -248,7 +237,7 @@ def assert_idempotent(
             given = sent_headers.pop(name)  # sent once, under key_header
             key = key or given
     sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
-    body, parsed = _encode(json, data, sent_headers)
+    body = _encode(json, data, sent_headers)
     sent = _Request(url, method, sent_headers, body, timeout)
 
     started_executions = executions() if executions is not None else 0
@@ -259,7 +248,7 @@ def assert_idempotent(
 
     def duplicate() -> Answer:
         barrier.wait(timeout)
-        return _send_until_final(sent, deadline, retry_in_progress)
+        return _send_until_final(sent, deadline)
 
     with ThreadPoolExecutor(duplicates, "assert_idempotent duplicate") as pool:
         futures = [pool.submit(duplicate) for _ in range(duplicates)]
@@ -284,7 +273,7 @@ def assert_idempotent(
 
     statuses = Counter(a.status for a in got)
     still_running = [a for a in got if a.in_progress]
-    if still_running and retry_in_progress:
+    if still_running:
         problems.append(
             f"{len(still_running)} duplicates were still answered 409 after {timeout:g}s"
         )
@@ -344,23 +333,16 @@ def assert_idempotent(
                 f"the answer ({got[0].status}) was not stored"
             )
 
-    mismatch_status: int | None = None
-    if check_mismatch:
-        other_headers = dict(sent_headers)
-        other_body, _ = _encode(mismatched_json, mismatched_data, other_headers)
-        if mismatched_json is _MISSING and mismatched_data is None:
-            other_body = _mismatched(parsed, body)
-        before_probe = executions() if executions is not None else 0
-        probe = _send(dataclasses.replace(sent, headers=other_headers, body=other_body))
-        mismatch_status = probe.status
-        if probe.status != 422:
-            problems.append(
-                f"the same key with a different body answered {probe.status}, expected 422 "
-                f"(key reused); body: {preview(probe.body)}"
-            )
-        probe_ran = executions() - before_probe if executions is not None else 0
-        if probe_ran:
-            problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
+    before_probe = executions() if executions is not None else 0
+    probe = _send(dataclasses.replace(sent, body=_mismatched(body)))
+    if probe.status != 422:
+        problems.append(
+            f"the same key with a different body answered {probe.status}, expected 422 "
+            f"(key reused); body: {preview(probe.body)}"
+        )
+    probe_ran = executions() - before_probe if executions is not None else 0
+    if probe_ran:
+        problems.append(f"the view ran {_times(probe_ran)} for the mismatched request")
 
     if atomicity_drill:
         if executions is None:
@@ -379,7 +361,7 @@ def assert_idempotent(
         answers=tuple(got),
         in_progress_retries=sum(a.in_progress_retries for a in got),
         executions=ran,
-        mismatch_status=mismatch_status,
+        mismatch_status=probe.status,
     )
 
 

@@ -34,26 +34,15 @@ def next_name(base: str) -> str:
     return f"{base}_{next(_counter)}"
 
 
-def redact(dsn: str) -> str:
-    """``dsn`` without its password, for messages."""
-    import psycopg2.extensions
-
-    try:
-        params = psycopg2.extensions.parse_dsn(dsn)
-    except psycopg2.ProgrammingError:
-        return "<unparsable DSN>"
-    shown = {k: ("***" if k == "password" else v) for k, v in params.items()}
-    return " ".join(f"{k}={v}" for k, v in shown.items())
-
-
-def check_reachable(dsn: str, timeout: int = 5) -> None:
-    """Raise ``RuntimeError`` unless PostgreSQL at ``dsn`` accepts a connection."""
+def check_reachable(dsn: str) -> None:
+    """Raise ``RuntimeError`` unless PostgreSQL at ``dsn`` accepts a connection. libpq's
+    message names the host and port it tried, never the password."""
     import psycopg2
 
     try:
-        psycopg2.connect(dsn, connect_timeout=timeout).close()
+        psycopg2.connect(dsn, connect_timeout=5).close()
     except psycopg2.Error as exc:
-        raise RuntimeError(f"PostgreSQL at {redact(dsn)} is unreachable: {exc}") from None
+        raise RuntimeError(f"PostgreSQL is unreachable: {exc}") from None
 
 
 def noproc_arguments(dsn: str) -> dict[str, Any]:

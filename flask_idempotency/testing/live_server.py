@@ -19,19 +19,19 @@ if TYPE_CHECKING:
 
 #: How long ``stop()`` waits for the serving thread once the server is shut down.
 _JOIN_SECONDS = 10.0
+#: Loopback only: a test server is nobody else's business.
+_HOST = "127.0.0.1"
 
 
 class LiveServer:
     """A Flask app served over HTTP on ``127.0.0.1`` from a thread of this process.
 
-    ``url`` is ``http://127.0.0.1:PORT`` (no trailing slash). Use it as a
-    context manager, or call ``start()`` and ``stop()``.
+    ``url`` is ``http://127.0.0.1:PORT`` on a free port (no trailing slash). Use it
+    as a context manager, or call ``start()`` and ``stop()``.
     """
 
-    def __init__(self, app: Flask, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Flask) -> None:
         self.app = app
-        self.host = host
-        self._port = port
         self._server: BaseWSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -43,7 +43,7 @@ class LiveServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{_HOST}:{self.port}"
 
     def start(self) -> LiveServer:
         if self._server is not None:
@@ -57,9 +57,7 @@ class LiveServer:
             def log_request(self, *args: Any, **kwargs: Any) -> None:
                 pass
 
-        self._server = make_server(
-            self.host, self._port, self.app, threaded=True, request_handler=QuietHandler
-        )
+        self._server = make_server(_HOST, 0, self.app, threaded=True, request_handler=QuietHandler)
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},
@@ -90,7 +88,8 @@ class LiveServer:
         return f"<LiveServer {self.app.name} {where}>"
 
 
-def serve_app(app: Flask, *, host: str = "127.0.0.1", port: int = 0) -> LiveServer:
+def serve_app(app: Flask) -> LiveServer:
     """``with serve_app(app) as server:`` the app answers at ``server.url`` until the
-    block ends (a :class:`LiveServer`, not started until the block begins)."""
-    return LiveServer(app, host=host, port=port)
+    block ends (a :class:`~flask_idempotency.testing.live_server.LiveServer`, not
+    started until the block begins)."""
+    return LiveServer(app)

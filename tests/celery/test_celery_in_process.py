@@ -7,6 +7,7 @@ a worker does when it cannot run now. The Flask app comes from the app context
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections.abc import Iterator
@@ -170,6 +171,17 @@ def test_a_result_that_is_not_json_fails_the_attempt_and_keeps_none_of_its_write
     with pytest.raises(TypeError):
         not_json.apply(args=[order]).get()
     assert runs == [("not_json", order)] * 2 and rows(clean_db, order) == 0
+
+
+def test_a_failed_attempt_is_logged_without_a_limit_as_celery_counts_the_retries(
+    app: Flask, caplog: pytest.LogCaptureFixture
+) -> None:
+    order = "ord_" + secrets.token_hex(4)
+    with caplog.at_level(logging.WARNING, "flask_idempotency.events"):
+        with pytest.raises(TypeError):
+            not_json.apply(args=[order]).get()
+    [line] = [r.getMessage() for r in caplog.records if "handler failed" in r.getMessage()]
+    assert "(attempt 1): TypeError" in line, line  # not "attempt 1 of 2147483647"
 
 
 def _in_context(app: Flask, call: Any) -> None:

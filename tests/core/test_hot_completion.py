@@ -19,6 +19,7 @@ import psycopg2
 import pytest
 from flask import Flask
 
+from flask_idempotency.settings import Settings
 from flask_idempotency.store.sql import Statements
 from flask_idempotency.testing import databases
 from support.pg_query import query as sql
@@ -28,7 +29,9 @@ MakeApp = Callable[..., Flask]
 
 ANSWER = (201, '[["Content-Type", "application/json"]]', b'{"id": 1}')
 #: The request path's texts as a store with the default settings sends them.
-STATEMENTS = Statements.build(statement_timeout=5.0, lock_timeout=2.0, async_claim_commit=True)
+STATEMENTS = Statements.build(
+    Settings(statement_timeout=5.0, lock_timeout=2.0, async_claim_commit=True)
+)
 CLAIM_PARAMS = {"fp": b"fp", "token": 7, "lease": 30.0, "ttl": 3600.0}
 #: How long a request's record lives (the core app's ``/optional`` route).
 TTL = 3600.0

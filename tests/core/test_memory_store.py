@@ -299,3 +299,16 @@ def test_a_records_ttl_counts_from_its_claim_unless_the_view_was_slow() -> None:
         assert store.stats() == {"processing": 0, "completed": 1, "expired": 0}, view_seconds
         store.advance(1.0)
         assert store.stats() == {"processing": 0, "completed": 0, "expired": 1}, view_seconds
+
+
+def test_a_second_init_app_on_one_app_is_refused_before_anything_is_built() -> None:
+    app = Flask(__name__)
+    app.config["IDEMPOTENCY_DATABASE_URL"] = MEMORY_URL
+    Idempotency(app)
+    state = app.extensions["idempotency"]
+    try:
+        with pytest.raises(RuntimeError, match="already initialised"):
+            Idempotency(app)
+        assert app.extensions["idempotency"] is state
+    finally:
+        state.close()

@@ -208,7 +208,7 @@ def test_a_start_without_postgres_logs_why_the_connection_failed(
     """The start-up log names what libpq reported (here: refused, on which port), so
     an operator can tell a closed port from a bad certificate or a wrong password;
     the class name alone ("OperationalError") could not."""
-    from flask_idempotency.store.errors import MAX_REASON_LENGTH, connect_failure
+    from flask_idempotency.store.errors import MAX_REASON_LENGTH, reason_of
 
     port = free_port()
     app = Flask(__name__)
@@ -226,5 +226,5 @@ def test_a_start_without_postgres_logs_why_the_connection_failed(
     assert "nobody@" not in logged[0]  # the DSN itself is not logged
 
     long = psycopg2.OperationalError("x" * 500 + "\nsecond line")
-    assert connect_failure(long) == "OperationalError: " + "x" * (MAX_REASON_LENGTH - 1) + "…"
-    assert connect_failure(psycopg2.OperationalError("")) == "OperationalError"
+    assert reason_of(long) == "OperationalError: " + "x" * (MAX_REASON_LENGTH - 1) + "…"
+    assert reason_of(psycopg2.OperationalError("")) == "OperationalError"

@@ -8,6 +8,7 @@ queue after N attempts while the others keep flowing.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import threading
@@ -207,7 +208,7 @@ def test_a_message_that_kills_its_consumer_every_time_is_dead_lettered_unrun(
 
 
 def test_a_failing_handler_is_retried_with_backoff_then_dead_lettered(
-    app: Flask, clean_db: str
+    app: Flask, clean_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     dead: list[tuple[str | None, Result, str]] = []
 
@@ -219,8 +220,12 @@ def test_a_failing_handler_is_retried_with_backoff_then_dead_lettered(
     def dead_letter(d: Delivery, result: Result, error: str) -> None:
         dead.append((d.id, result, error))
 
-    results = [always_fails.handle(delivery(), app=app, dead_letter=dead_letter) for _ in range(3)]
-    print([(r.outcome.value, r.attempts, r.delay) for r in results])
+    with caplog.at_level(logging.WARNING, "flask_idempotency.events"):
+        results = [
+            always_fails.handle(delivery(), app=app, dead_letter=dead_letter) for _ in range(3)
+        ]
+    failed = [r.getMessage() for r in caplog.records if "handler failed" in r.getMessage()]
+    assert ["(attempt 1 of 3)" in failed[0], "(attempt 3 of 3)" in failed[2]] == [True, True]
     assert [r.outcome for r in results] == [
         ConsumerOutcome.RETRY,
         ConsumerOutcome.RETRY,
@@ -247,6 +252,33 @@ def test_another_message_under_a_used_id_or_no_id_is_dead_lettered_unrun(app: Fl
     assert (reused.outcome, reused.reason) == (ConsumerOutcome.DEAD_LETTERED, "key_reused")
     assert (no_id.outcome, no_id.reason) == (ConsumerOutcome.DEAD_LETTERED, "missing_key")
     assert runs == [{"n": 1}]
+
+
+def test_dead_letters_are_counted_for_prometheus_by_consumer_and_reason(app: Flask) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from flask_idempotency.observability.prometheus import PrometheusMetrics
+
+    registry = CollectorRegistry()
+    PrometheusMetrics(app, registry=registry)
+
+    @idempotency.consumer("counted")
+    def counted(d: Delivery) -> None:
+        pass
+
+    def dead_letters(reason: str) -> float | None:
+        return registry.get_sample_value(
+            "flask_idempotency_events_dead_lettered_total",
+            {"consumer": "counted", "reason": reason},
+        )
+
+    assert counted.handle(delivery(n=1), app=app).outcome is ConsumerOutcome.HANDLED
+    assert dead_letters("key_reused") is None
+    counted.handle(delivery(n=2), app=app)
+    counted.handle(delivery(n=3), app=app)
+    counted.handle(Delivery.from_body({"n": 4}), app=app)
+    assert dead_letters("key_reused") == 2
+    assert dead_letters("missing_key") == 1
 
 
 def test_a_handler_emits_in_its_own_transaction(app: Flask, clean_db: str) -> None:

@@ -23,6 +23,8 @@ from flask_idempotency.store import StoreUnavailableError, pool
 from flask_idempotency.store.base import BreakerOpenError
 from flask_idempotency.store.breaker import StoreBreaker
 from flask_idempotency.store.pool import Checkout
+from flask_idempotency.store.runner import NoAnswer, watched
+from flask_idempotency.store.watchdog import WATCHDOG
 
 
 class FakeClock:
@@ -53,6 +55,9 @@ def coded(base: type[psycopg2.Error], code: str) -> psycopg2.Error:
 
 class Conn:
     closed = 0
+
+    def close(self) -> None:
+        pass
 
 
 def state(breaker: StoreBreaker) -> BreakerState:
@@ -148,14 +153,16 @@ def test_a_probe_that_never_reports_is_replaced_after_another_cooldown() -> None
 )
 def test_only_errors_that_mean_no_answer_count(error: BaseException, counts: bool) -> None:
     breaker, _, _ = make(threshold=1)
-    breaker.outcome(Conn(), error, fired=False)
+    with pytest.raises(type(error)), watched(Conn(), 60.0, breaker):
+        raise error
     assert (state(breaker) is BreakerState.OPEN) is counts
 
 
 def test_a_statement_the_watchdog_cut_is_counted_once_by_the_watchdog() -> None:
     breaker, _, _ = make(threshold=2)
-    breaker.no_answer()  # the watchdog's sweep
-    breaker.outcome(Conn(), psycopg2.OperationalError("shut down"), fired=True)  # its caller
+    with pytest.raises(NoAnswer), watched(Conn(), 0.0, breaker):
+        WATCHDOG._check(time.monotonic() + 1.0)  # the watchdog's sweep counts it
+        raise psycopg2.OperationalError("shut down")  # as its caller sees it
     assert state(breaker) is BreakerState.CLOSED
 
 

@@ -9,6 +9,7 @@ that breaks never hides the others.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -85,10 +86,9 @@ class Context:
 
     def close(self) -> None:
         for close in self.closers:
-            try:
+            # Closing what a failed check left must not fail the report.
+            with contextlib.suppress(Exception):
                 close()
-            except Exception:  # closing what a failed check left must not fail the report
-                pass
 
 
 def ok(detail: str) -> Check:

@@ -13,14 +13,10 @@ from ...recovery import recoverable_routes
 from .base import Check, Context, ok, warn
 
 
-def _last_runs(ctx: Context) -> dict[str, tuple[float, str | None]]:
-    runs: dict[str, tuple[float, str | None]] = ctx.once("last runs", ctx.store.last_runs)
-    return runs
-
-
 def _seen(ctx: Context, worker: str, needed_because: str, command: str) -> Check:
     stale_after = ctx.options.stale_after
-    last = _last_runs(ctx).get(worker)
+    # (age in seconds, host) of each worker's last run, read once for both checks
+    last = ctx.once("last runs", ctx.store.last_runs).get(worker)
     if last is None:
         return warn(f"never seen, and {needed_because}", f"run `{command}` (a service, or cron)")
     age, seen_on = last
