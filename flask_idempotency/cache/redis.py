@@ -98,8 +98,6 @@ class RedisCache(ResponseCache):
         self.keyring = LazyKeyring(secrets, identity, clock=clock)
         #: Entries expire at a wall-clock time, shared by every worker and host.
         self._wall_clock = wall_clock
-        #: A Redis Cluster reloads its slot map and reconnects by itself.
-        self._cluster = isinstance(self.client, redis.cluster.RedisCluster)
         self.prefix = settings.redis_prefix
         self.max_body = settings.max_stored_body
         self.breaker = CircuitBreaker(
@@ -251,7 +249,7 @@ class RedisCache(ResponseCache):
 
     def _drop_idle_connections(self) -> None:
         try:
-            if self._cluster:
+            if isinstance(self.client, redis.cluster.RedisCluster):
                 return  # it reloads its slot map and reconnects by itself
             self.client.connection_pool.disconnect(inuse_connections=False)
         except Exception as exc:
