@@ -38,6 +38,7 @@ import dataclasses
 import importlib
 import logging
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, has_app_context
@@ -61,6 +62,8 @@ log = logging.getLogger("flask_idempotency.sqlalchemy")
 
 #: ``Session.info`` key of the session's joined attempt (its :class:`Joined`).
 JOINED = "flask_idempotency.joined"
+#: The session factories whose sessions join attempts (``_hand_connection`` listens).
+_LISTENED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @dataclasses.dataclass
@@ -112,9 +115,16 @@ class SessionJoin:
     def __init__(self, sessions: scoped_session[Any], pool: EnginePool) -> None:
         self.sessions = sessions
         self.pool = pool
-        sessions.session_factory.configure(join_transaction_mode="create_savepoint")
-        if not event.contains(sessions, "after_transaction_create", _hand_connection):
+        factory = sessions.session_factory
+        factory.configure(join_transaction_mode="create_savepoint")
+        # Once per session factory, however many apps share it (Flask-SQLAlchemy's one
+        # db.session). Not event.contains(): SQLAlchemy keys its registry by the id()
+        # of the factory's class, so a new factory whose class reuses a collected
+        # one's id (an app per test) reads as listened to, and its sessions would
+        # never join (their commits real ones).
+        if factory not in _LISTENED:
             event.listen(sessions, "after_transaction_create", _hand_connection)
+            _LISTENED.add(factory)
 
     def detach(self) -> None:
         """Before a claim: end the transaction the session began before it (an
