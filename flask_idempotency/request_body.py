@@ -102,10 +102,15 @@ def _spool(
         body = request.get_data(cache=True)
         feed(body)
         return len(body)
-    spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)
-    # Closed with the request, however it ends (a streamed response still reading
-    # it keeps the request alive); a temporary file left to the collector warns.
-    weakref.finalize(request, spool.close)
+    spool: IO[bytes]
+    declared = request.content_length
+    if declared is not None and declared <= SPOOL_IN_MEMORY:
+        spool = io.BytesIO()  # (what the spooled file would hold anyway, for less work)
+    else:
+        spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)
+        # Closed with the request, however it ends (a streamed response still reading
+        # it keeps the request alive); a temporary file left to the collector warns.
+        weakref.finalize(request, spool.close)
     size = 0
     for chunk in itertools.chain((first,), chunks):
         size += len(chunk)
