@@ -36,13 +36,12 @@ from typing import TYPE_CHECKING, Any, cast
 from flask import Request, Response, g
 
 from . import flow, responses
-from .state import AppState
+from .state import AppState, JoinedSession
 from .store.base import Claimed, Existing, LeaseHold, StoredResponse, StoreUnavailableError
 
 if TYPE_CHECKING:
     from .observer import RequestOutcome
     from .route_options import EffectiveOptions
-    from .sqlalchemy_session import Joined
     from .store.memory import MemoryRequest
     from .store.request import PostgresRequest
 
@@ -92,7 +91,7 @@ class Attempt:
     #: Set once: every request reports exactly one outcome (``runtime.record``).
     outcome: RequestOutcome | None = None
     #: The attempt's joined ``db.session``, with ``db=``.
-    session: Joined | None = None
+    session: JoinedSession | None = None
 
     def __enter__(self) -> Attempt:
         return self

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flask import Flask, current_app, has_app_context
 
@@ -28,11 +28,28 @@ if TYPE_CHECKING:
     from .lease import LeaseKeeper
     from .metrics import Metrics
     from .settings import Settings
-    from .sqlalchemy_session import SessionJoin
     from .store.memory import MemoryStore
     from .store.postgres import PostgresStore
 
 log = logging.getLogger("flask_idempotency")
+
+
+class JoinedSession(Protocol):
+    """The application's session while it works on an attempt's transaction
+    (``sqlalchemy_session.Joined``; named here, below both, so the attempt and the
+    session module need not import each other)."""
+
+    def keep(self) -> None: ...
+    def discard(self) -> None: ...
+    def leave(self) -> None: ...
+
+
+class SessionJoiner(Protocol):
+    """What joins the application's session to attempts (``sqlalchemy_session.SessionJoin``)."""
+
+    def detach(self) -> None: ...
+    def join(self, handle: Any) -> JoinedSession: ...
+
 
 #: ``app.extensions`` key of the extension's :class:`AppState`.
 EXTENSION_KEY = "idempotency"
@@ -51,7 +68,7 @@ class AppState:
     #: The error format and replay headers (``IDEMPOTENCY_PROFILE``).
     profile: Profile
     #: Joins the application's SQLAlchemy session to claimed attempts (``db=``).
-    sessions: SessionJoin | None = None
+    sessions: SessionJoiner | None = None
     #: ``IDEMPOTENCY_AUTO_MIGRATE`` found PostgreSQL unreachable at start-up: the
     #: migrations run before the first request that reaches it instead.
     migrations_pending: bool = False
