@@ -26,7 +26,6 @@ import os
 import random
 import re
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -44,10 +43,10 @@ from .load import (
     charge_call,
     retry_until_final,
     run_all,
-    run_waves,
     status_counts,
 )
 from .stack import Stack, StackOptions, own_database, running_stack
+from .storm import assert_each_key_ran_once, run_storm, tally
 
 pytestmark = pytest.mark.reliability
 
@@ -161,61 +160,32 @@ def test_storm_executes_each_key_exactly_once(
 ) -> None:
     stack = uwsgi_stack
     prefix = f"{run_id}s"
-    calls = {
-        f"uwsgi-storm-{prefix}{i}": charge_call(
-            api_key,
-            f"uwsgi-storm-{prefix}{i}",
-            charge_body(1000 + i, f"{prefix}{i}"),
-            tag=f"uwsgi-storm-{prefix}{i}",
-        )
-        for i in range(KEYS)
-    }
-    keys = list(calls)
-    waves = [
-        [calls[key] for key in keys[start : start + KEYS_PER_WAVE] for _ in range(DUPLICATES)]
-        for start in range(0, KEYS, KEYS_PER_WAVE)
-    ]
     stack.control(latency_seconds=STORM_LATENCY)
-    connections = stack.connections(keep_alive=False)
-    started = time.monotonic()
     try:
-        storm = run_waves(connections, waves)
-        storm_seconds = time.monotonic() - started
-        after = run_all(connections, list(calls.values()), threads=8)
+        run = run_storm(
+            stack,
+            stack.connections(keep_alive=False),
+            api_key,
+            prefix,
+            keys=KEYS,
+            duplicates=DUPLICATES,
+            keys_per_wave=KEYS_PER_WAVE,
+            replay_threads=8,
+        )
     finally:
-        connections.close()
         stack.control(latency_seconds=0)
-
-    by_key: dict[str, list[Answer]] = defaultdict(list)
-    for answer in storm + after:
-        by_key[answer.call.tag].append(answer)
-    calls_seen, charged = stack.processor_counts(prefix)
-    rows = stack.charge_ids(prefix)
+    counted = tally(stack, prefix)
     figures(
-        requests_sent=len(storm),
+        requests_sent=len(run.storm),
         keys=KEYS,
         concurrent_per_key=DUPLICATES,
-        seconds=round(storm_seconds, 1),
-        outcomes=status_counts(storm),
-        processor_calls=sum(calls_seen.values()),
-        charge_rows=sum(len(ids) for ids in rows.values()),
-        replays_after=status_counts(after),
+        seconds=round(run.seconds, 1),
+        outcomes=status_counts(run.storm),
+        replays_after=status_counts(run.after),
+        **counted.figures(),
     )
-
-    allowed = {(201, None), (409, "in_progress")}
-    unexpected = [a.describe() for a in storm if (a.status, a.code) not in allowed]
-    assert not unexpected, f"{unexpected[:10]}; the app said: {stack.app_warnings()}"
-    assert all(a.headers.get("retry-after", "").isdigit() for a in storm if a.status == 409)
-    assert any(a.status == 409 for a in storm), "no duplicate met a running claim"
-    assert all(a.status == 201 and a.replayed == "true" for a in after), status_counts(after)
-    for i, key in enumerate(keys):
-        customer = f"{prefix}{i}"
-        answers = by_key[key]
-        fresh = [a for a in answers if a.status == 201 and a.replayed == "false"]
-        assert len(fresh) == 1, f"{key}: {len(fresh)} answers ran the view"
-        assert calls_seen[customer] == 1 and charged[customer] == 1, key
-        assert rows.get(customer, []) == [fresh[0].json()["id"]], key
-        assert {a.body for a in answers if a.status == 201} == {fresh[0].body}, key
+    assert any(a.status == 409 for a in run.storm), "no duplicate met a running claim"
+    assert_each_key_ran_once(stack, run, counted)
 
 
 #: Crash drill: kills while a batch of charges waits on a slow processor.
