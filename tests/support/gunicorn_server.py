@@ -77,7 +77,86 @@ def child_pids(pid: int) -> list[int]:
     return sorted(children)
 
 
-class GunicornServer(StartsOnEnter):
+class PreforkServer(StartsOnEnter):
+    """What a prefork server under test offers whatever it is (gunicorn, uWSGI):
+    its URL and master, its log, its workers to kill and wait for, a stop. A
+    subclass starts it and sets ``_proc``, ``port``, ``log_path``, ``_root``,
+    ``workers`` and ``stop_timeout``."""
+
+    name = "server"
+    host = LOOPBACK
+    port: int
+    workers: int
+    stop_timeout: float
+    log_path: Path
+    _root: Path
+    _proc: subprocess.Popen[bytes] | None
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT`` (no trailing slash)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def master_pid(self) -> int:
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError(f"{self.name} is not running")
+        return self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_text(self) -> str:
+        """Everything the server and the app wrote so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def _tail(self, start: int = 0) -> str:
+        return f"{self.name} log {self.log_path}:\n{log_tail(self.log_path, 80, start)}"
+
+    def worker_pids(self) -> list[int]:
+        """The master's current worker processes, sorted."""
+        return child_pids(self.master_pid)
+
+    def kill_worker(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one worker; the master then replaces it."""
+        if pid not in self.worker_pids():
+            raise ValueError(f"{pid} is not a worker of {self.name} {self.master_pid}")
+        os.kill(pid, sig)
+
+    def wait_for_workers(
+        self, count: int | None = None, *, exclude: Collection[int] = (), timeout: float = 30.0
+    ) -> list[int]:
+        """Wait until ``count`` (default: all) workers run, none of them in ``exclude``.
+
+        After ``kill_worker(pid)``, ``wait_for_workers(exclude=[pid])`` returns
+        once the replacement is forked (it may still be loading the app).
+        """
+        wanted = self.workers if count is None else count
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = [pid for pid in self.worker_pids() if pid not in exclude]
+            if len(pids) == wanted:
+                return pids
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {pids}, wanted {wanted}:\n{self._tail()}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Graceful stop (TERM: workers finish their requests; uWSGI needs
+        ``die-on-term``), then KILL."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            stop_process(proc, [(signal.SIGTERM, self.stop_timeout)])
+
+    def close(self) -> None:
+        """Stop the server and delete its log."""
+        self.stop()
+        at_exit.discard(self)
+        remove_tree(self._root)
+
+
+class GunicornServer(PreforkServer):
     """``python -m gunicorn`` serving ``wsgi_app`` on 127.0.0.1:<free port>.
 
     ``wsgi_app`` is anything gunicorn accepts: ``"wsgi:app"`` or a factory
@@ -87,7 +166,7 @@ class GunicornServer(StartsOnEnter):
     Without ``config`` no gunicorn.conf.py is read, not even the project's.
     """
 
-    host = LOOPBACK
+    name = "gunicorn"
 
     def __init__(
         self,
@@ -122,25 +201,6 @@ class GunicornServer(StartsOnEnter):
         self.log_path = self._root / "gunicorn.log"
         self._proc: subprocess.Popen[bytes] | None = None
         at_exit.add(self, self.close)
-
-    @property
-    def url(self) -> str:
-        """``http://127.0.0.1:PORT`` (no trailing slash)."""
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def master_pid(self) -> int:
-        if self._proc is None or self._proc.poll() is not None:
-            raise RuntimeError("gunicorn is not running")
-        return self._proc.pid
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def log_text(self) -> str:
-        """Everything gunicorn and the app wrote so far."""
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def _argv(self) -> list[str]:
         config = self.config or self._root / "empty.gunicorn.conf.py"
@@ -217,49 +277,6 @@ class GunicornServer(StartsOnEnter):
         except (OSError, http.client.HTTPException):
             return False
         return status == 200 or self.health_path is None
-
-    def _tail(self, start: int = 0) -> str:
-        return f"gunicorn log {self.log_path}:\n{log_tail(self.log_path, 80, start)}"
-
-    def worker_pids(self) -> list[int]:
-        """The master's current worker processes, sorted."""
-        return child_pids(self.master_pid)
-
-    def kill_worker(self, pid: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to one worker; gunicorn's master then replaces it."""
-        if pid not in self.worker_pids():
-            raise ValueError(f"{pid} is not a worker of gunicorn {self.master_pid}")
-        os.kill(pid, sig)
-
-    def wait_for_workers(
-        self, count: int | None = None, *, exclude: Collection[int] = (), timeout: float = 30.0
-    ) -> list[int]:
-        """Wait until ``count`` (default: all) workers run, none of them in ``exclude``.
-
-        After ``kill_worker(pid)``, ``wait_for_workers(exclude=[pid])`` returns
-        once the replacement is forked (it may still be loading the app).
-        """
-        wanted = self.workers if count is None else count
-        deadline = time.monotonic() + timeout
-        while True:
-            pids = [pid for pid in self.worker_pids() if pid not in exclude]
-            if len(pids) == wanted:
-                return pids
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers {pids}, wanted {wanted}:\n{self._tail()}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        """Graceful stop (TERM: workers finish their requests), then KILL."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            stop_process(proc, [(signal.SIGTERM, self.stop_timeout)])
-
-    def close(self) -> None:
-        """Stop gunicorn and delete its log."""
-        self.stop()
-        at_exit.discard(self)
-        remove_tree(self._root)
 
     def __repr__(self) -> str:
         return f"<GunicornServer {self.wsgi_app} at {self.url}>"

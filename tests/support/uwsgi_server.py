@@ -20,15 +20,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ._files import make_workdir, remove_tree
-from ._procs import LOOPBACK, at_exit, free_port, log_tail, spawn, stop_process, tcp_answers
-from .gunicorn_server import REPO_ROOT, TESTS_DIR, child_pids
+from ._files import make_workdir
+from ._procs import at_exit, free_port, spawn, tcp_answers
+from .gunicorn_server import REPO_ROOT, TESTS_DIR, PreforkServer, child_pids
 from .http_client import http_request
-from .lifecycle import StartsOnEnter
 from .waiting import wait_until
 
 #: The deployment file under test (docs/deployment.md shows it).
@@ -47,11 +45,11 @@ def uwsgi_command() -> str | None:
     return shutil.which("uwsgi")
 
 
-class UwsgiServer(StartsOnEnter):
+class UwsgiServer(PreforkServer):
     """``uwsgi --ini uwsgi.ini`` serving HTTP on 127.0.0.1:<free port>, with
     ``workers`` processes of ``threads`` threads and its master."""
 
-    host = LOOPBACK
+    name = "uwsgi"
 
     def __init__(
         self,
@@ -82,23 +80,6 @@ class UwsgiServer(StartsOnEnter):
         self.log_path = self._root / "uwsgi.log"
         self._proc: subprocess.Popen[bytes] | None = None
         at_exit.add(self, self.close)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def master_pid(self) -> int:
-        if self._proc is None or self._proc.poll() is not None:
-            raise RuntimeError("uwsgi is not running")
-        return self._proc.pid
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def argv(self) -> list[str]:
         return [
@@ -159,44 +140,6 @@ class UwsgiServer(StartsOnEnter):
             return http_request("GET", self.url + self.health_path, timeout=2).status == 200
         except (OSError, http.client.HTTPException):
             return False
-
-    def _tail(self, start: int = 0) -> str:
-        return f"uwsgi log {self.log_path}:\n{log_tail(self.log_path, 80, start)}"
-
-    def worker_pids(self) -> list[int]:
-        """The master's current worker processes, sorted."""
-        return child_pids(self.master_pid)
-
-    def kill_worker(self, pid: int, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to one worker; the master forks a replacement."""
-        if pid not in self.worker_pids():
-            raise ValueError(f"{pid} is not a worker of uwsgi {self.master_pid}")
-        os.kill(pid, sig)
-
-    def wait_for_workers(
-        self, count: int | None = None, *, exclude: Collection[int] = (), timeout: float = 30.0
-    ) -> list[int]:
-        """Wait until ``count`` (default: all) workers run, none of them in ``exclude``."""
-        wanted = self.workers if count is None else count
-        deadline = time.monotonic() + timeout
-        while True:
-            pids = [pid for pid in self.worker_pids() if pid not in exclude]
-            if len(pids) == wanted:
-                return pids
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers {pids}, wanted {wanted}:\n{self._tail()}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        """Graceful stop (TERM with die-on-term: workers finish their requests), then KILL."""
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            stop_process(proc, [(signal.SIGTERM, self.stop_timeout)])
-
-    def close(self) -> None:
-        self.stop()
-        at_exit.discard(self)
-        remove_tree(self._root)
 
     def __repr__(self) -> str:
         return f"<UwsgiServer {self.ini.name} at {self.url}>"
