@@ -281,22 +281,30 @@ def client_for_settings(settings: Settings) -> tuple[Any, bool]:
         return settings.redis, False
     url, timeout = settings.redis_url, settings.redis_timeout
     assert url is not None  # (no cache is built without one or the other)
+    handshake = _lean_handshake_kwargs(tls=url.startswith("rediss"))
     if topology.is_topology_url(url):
-        return topology.client_for(url, timeout, _lean_handshake_kwargs()), True
+        return topology.client_for(url, timeout, handshake), True
     client = redis.Redis.from_url(
         url,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0),
         health_check_interval=0,
-        **_lean_handshake_kwargs(),
+        **handshake,
     )
     return client, True
 
 
-def _lean_handshake_kwargs() -> dict[str, Any]:
+def _lean_handshake_kwargs(*, tls: bool) -> dict[str, Any]:
     """Documented ``redis.Redis`` options that trim the connect handshake, if this
     redis-py has them.
+
+    Over TLS, ``CLIENT SETINFO`` stays: a TLS 1.3 server sends its session
+    tickets just after the handshake, and a connection that has read no reply
+    yet still holds them when redis-py's pool checks a new connection for
+    unread data (``can_read()``), which then fails it ("Connection not
+    ready"): a quarter of new connections on a loaded machine. Reading the
+    ``SETINFO`` reply consumes the tickets, for one round trip per connect.
 
     The package supports ``redis>=4.5``, where these parameters do not exist
     yet; they are detected on ``redis.Redis``'s signature rather than assumed,
@@ -307,6 +315,8 @@ def _lean_handshake_kwargs() -> dict[str, Any]:
     options: dict[str, Any] = {}
     if "protocol" in params:
         options["protocol"] = 2
+    if tls:
+        return options
     if "driver_info" in params:
         options["driver_info"] = None  # documented: None disables CLIENT SETINFO
     elif "lib_name" in params:

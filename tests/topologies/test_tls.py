@@ -15,9 +15,11 @@ import shutil
 import signal
 import ssl
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import psycopg2
 import pytest
@@ -25,6 +27,8 @@ import redis
 from flask import Flask, jsonify, request
 
 from flask_idempotency import Idempotency, global_scope
+from flask_idempotency.cache.redis import client_for_settings
+from flask_idempotency.settings import Settings
 from support._files import make_workdir, remove_tree
 from support._procs import LOOPBACK, free_port, log_tail, spawn, stop_process
 from support.postgres_server import ThrowawayPostgres
@@ -303,6 +307,33 @@ def test_redis_over_verified_tls_serves_replays(
         assert len(app.extensions["runs"]) == 1
     finally:
         app.extensions["idempotency"].close()
+
+
+def test_new_tls_connections_of_the_cache_client_hold_no_unread_data(
+    tls_redis: TlsRedis, authority: Authority
+) -> None:
+    """redis-py's pool checks a connection for unread data as it lends it out
+    (``can_read()``) and fails it if any is there. A TLS 1.3 server sends its
+    session tickets after the handshake; a connect that reads no reply (no
+    ``CLIENT SETINFO``, RESP2) leaves them unread, so a new connection failed
+    that check whenever they arrived first: a cache miss, and a failure counted
+    by the breaker. Waiting after each connect makes that certain here."""
+    settings = SimpleNamespace(
+        redis=None, redis_url=tls_redis.url(authority.ca_cert), redis_timeout=2
+    )
+    client, _ = client_for_settings(cast(Settings, settings))
+    try:
+        for _ in range(5):
+            connection = client.connection_pool.make_connection()
+            connection.connect()
+            time.sleep(0.05)  # the tickets are here now
+            try:
+                assert not connection.can_read()
+            finally:
+                connection.disconnect()
+        assert client.get("tls-nothing-here") is None
+    finally:
+        client.close()
 
 
 def test_redis_with_an_untrusted_ca_falls_back_to_postgres(
