@@ -65,6 +65,10 @@ class CommandsOnDemand(AppGroup):
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         self._commands().format_help(ctx, formatter)  # its help text and examples
 
+    def invoke(self, ctx: click.Context) -> Any:
+        # The group's own invoke: it ends a command on an unreachable store in one line.
+        return self._commands().invoke(ctx)
+
 
 class Idempotency:
     """Idempotency-Key support for a Flask app, with PostgreSQL as the source of truth."""
