@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 from contextvars import ContextVar, Token
-from importlib.metadata import PackageNotFoundError, version
 
 from flask import Flask
 from opentelemetry import context, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
+from .. import __version__
 from ..observer import Attributes, Observer, RequestEvent, Stage
 from . import attach
 
@@ -47,14 +47,6 @@ SPAN_NAMES = {stage: f"idempotency.{stage.value}" for stage in Stage}
 #: The span that was current when our outermost stage began: the request's, which
 #: gets the outcome even when the outcome is decided inside a stage.
 _request_span: ContextVar[Span | None] = ContextVar("flask_idempotency_request_span", default=None)
-
-
-def _version() -> str | None:
-    """The installed release, for the tracer's instrumentation scope."""
-    try:
-        return version("flask-idempotency")
-    except PackageNotFoundError:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +64,9 @@ class OpenTelemetryTracing(Observer):
     def __init__(
         self, app: Flask | None = None, *, tracer_provider: TracerProvider | None = None
     ) -> None:
+        # The release as the instrumentation scope's version.
         self._tracer = trace.get_tracer(
-            "flask_idempotency", _version(), tracer_provider=tracer_provider
+            "flask_idempotency", __version__, tracer_provider=tracer_provider
         )
         if app is not None:
             self.init_app(app)
