@@ -123,7 +123,25 @@ class Metrics:
         loud = log.isEnabledFor(level)
         if not (loud or self.observers):
             return
-        event = _event(ctx, outcome, source, status, error)
+        route, method = _where(ctx.request if ctx is not None else None)
+        if ctx is None:
+            event = RequestEvent(outcome, route, method, source, status, error=_describe(error))
+        else:
+            event = RequestEvent(
+                outcome,
+                route,
+                method,
+                source,
+                status,
+                ctx.token is not None,
+                ctx.takeover,
+                log_key(ctx.record_key) if ctx.record_key is not None else None,
+                time.monotonic() - ctx.started if ctx.started else None,
+                ctx.claim_seconds or None,
+                ctx.completion_seconds,
+                _describe(error),
+                ctx.scope,
+            )
         if loud:
             log_event(event, level)
         for observer in self.observers:
@@ -235,33 +253,6 @@ def _where(req: Request | None) -> tuple[str, str]:
         req = request
     rule = req.url_rule
     return (rule.rule if rule is not None else "<unmatched>"), req.method
-
-
-def _event(
-    ctx: RequestFacts | None,
-    outcome: RequestOutcome,
-    source: str | None,
-    status: int | None,
-    error: BaseException | None,
-) -> RequestEvent:
-    route, method = _where(ctx.request if ctx is not None else None)
-    if ctx is None:
-        return RequestEvent(outcome, route, method, status=status, error=_describe(error))
-    return RequestEvent(
-        outcome,
-        route,
-        method,
-        source,
-        status,
-        ctx.token is not None,
-        ctx.takeover,
-        log_key(ctx.record_key) if ctx.record_key is not None else None,
-        time.monotonic() - ctx.started if ctx.started else None,
-        ctx.claim_seconds or None,
-        ctx.completion_seconds,
-        _describe(error),
-        ctx.scope,
-    )
 
 
 def _describe(error: BaseException | None) -> str | None:

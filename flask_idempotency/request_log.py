@@ -61,13 +61,12 @@ BREAKER_REFUSAL_LEVEL = logging.INFO
 def log_event(event: RequestEvent, level: int) -> None:
     """Write ``event`` at ``level`` (the caller checked the level is enabled)."""
     parts = [f"idempotency: {event.outcome.value}"]
-    args: list[Any] = []
     if event.source is not None:
         parts.append(f"from {event.source}")
     if event.takeover:
         parts.append("(took over a record whose lease had expired)")
     parts.append("%s %s")
-    args += [event.method, event.route]
+    args: list[Any] = [event.method, event.route]
     if event.status is not None:
         parts.append("-> %d")
         args.append(event.status)
@@ -81,12 +80,8 @@ def log_event(event: RequestEvent, level: int) -> None:
     if event.error is not None:
         message += ": %s"
         args.append(event.error)
-    log.log(level, message, *args, extra=extra_fields(event))
-
-
-def extra_fields(event: RequestEvent) -> dict[str, Any]:
-    """The event as ``LogRecord`` attributes (none of them clash with logging's own)."""
-    return {
+    # The event as LogRecord attributes (none of them clash with logging's own).
+    extra = {
         "route": event.route,
         "method": event.method,
         "outcome": event.outcome.value,
@@ -100,6 +95,7 @@ def extra_fields(event: RequestEvent) -> dict[str, Any]:
         "completion_ms": _ms(event.completion_duration),
         "error": event.error,
     }
+    log.log(level, message, *args, extra=extra)
 
 
 def _ms(seconds: float | None) -> float | None:
