@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from flask import Request, has_request_context, request
 from werkzeug.exceptions import HTTPException
@@ -31,6 +31,9 @@ from .observer import (
 )
 from .request_log import BREAKER_REFUSAL_LEVEL, LEVELS, TAKEOVER_LEVEL, log, log_event
 from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
+
+if TYPE_CHECKING:  # what the hub reads of a request: the fields its outcome is reported with
+    from .engine import Attempt
 
 #: The snapshot counter of each outcome (a replay's depends on its source): an
 #: executed request whose answer was stored is ``completed``.
@@ -51,22 +54,6 @@ NAMES = (
 #: The outcomes of a request refused before anything was claimed (each the error
 #: code of the refusal, but ``body_too_large``: any 413).
 _REFUSALS = {"invalid_key", "missing_key", "missing_scope", "malformed_body", "body_too_large"}
-
-#: What a claim decided, as the claim span's ``idempotency.claim.result``.
-_CLAIM_RESULTS: dict[type, str] = {flow.Proceed: "claimed", flow.Replay: "replay"}
-
-
-class RequestFacts(Protocol):
-    """What the hub reads from the extension's per-request state."""
-
-    record_key: bytes | None
-    token: int | None
-    scope: str | None
-    request: Request | None
-    started: float
-    takeover: bool
-    claim_seconds: float
-    completion_seconds: float | None
 
 
 class Metrics:
@@ -90,7 +77,7 @@ class Metrics:
 
     # -- the request path ------------------------------------------------------
 
-    def claimed(self, ctx: RequestFacts) -> None:
+    def claimed(self, ctx: Attempt) -> None:
         """A claim was won; the view runs next."""
         with self._lock:
             self._counts["executed"] += 1
@@ -101,7 +88,7 @@ class Metrics:
 
     def record(
         self,
-        ctx: RequestFacts | None,
+        ctx: Attempt | None,
         outcome: RequestOutcome,
         *,
         source: str | None = None,
@@ -156,7 +143,7 @@ class Metrics:
     def stage(
         self,
         stage: Stage,
-        ctx: RequestFacts,
+        ctx: Attempt,
         *,
         source: str | None = None,
         status: int | None = None,
@@ -199,11 +186,12 @@ class StageTimer:
             observer.stage_ended(self.stage, token, seconds, self.attributes, error)
 
     def decided(self, decision: flow.Decision, takeover: bool) -> None:
-        """Note what the claim decided (the claim span's result and takeover)."""
-        result = _CLAIM_RESULTS.get(type(decision))
-        if result is None and isinstance(decision, flow.Reject):
+        """Note what the claim decided (the claim span's ``idempotency.claim.result``:
+        ``claimed``, ``replay`` or why it was rejected; and the takeover)."""
+        result = "claimed" if isinstance(decision, flow.Proceed) else "replay"
+        if isinstance(decision, flow.Reject):
             result = decision.reason.value
-        self.attributes["idempotency.claim.result"] = result or "unknown"
+        self.attributes["idempotency.claim.result"] = result
         self.attributes["idempotency.takeover"] = takeover
 
 
