@@ -239,8 +239,7 @@ class PrometheusMetrics(Observer):
         self._apps.append(app)
         self._show_routes()
         if self.table_stats:
-            state = app_state(app)
-            store = state.postgres_store("IDEMPOTENCY table statistics (table_stats=True)")
+            store = app_state(app).postgres_store("IDEMPOTENCY table statistics (table_stats=True)")
             collector = TableStatsCollector(store, interval=self.table_stats_interval)
             self._collectors.append(collector)
             if not multiprocess_mode():
