@@ -35,59 +35,47 @@ DEFAULT_TABLE_STATS_INTERVAL = 15.0
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-#: ``store.stats()`` figures and the gauges they become.
+#: ``store.stats()`` figures and the gauges they become (name and help).
 _RECORD_STATES = ("processing", "completed", "expired")
-_TABLE_GAUGES = (
-    (
+_TABLE_GAUGES = {
+    "lease_expired": (
         "records_lease_expired",
         "Processing records whose lease expired and that nobody took over (stuck)",
-        "lease_expired",
     ),
-    (
+    "oldest_processing_seconds": (
         "oldest_processing_age_seconds",
         "Age of the oldest processing record",
-        "oldest_processing_seconds",
     ),
-    (
-        "records_takeovers",
-        "Takeovers counted on the records still in the table",
-        "takeovers",
-    ),
-    (
+    "takeovers": ("records_takeovers", "Takeovers counted on the records still in the table"),
+    "recoverable": (
         "records_recoverable",
         "Abandoned records (holder dead, lease ended) of routes that declare recover=",
-        "recoverable",
     ),
-    (
+    "oldest_abandoned_seconds": (
         "oldest_abandoned_age_seconds",
         "How long the oldest abandoned record's lease has been over",
-        "oldest_abandoned_seconds",
     ),
-    (
+    "pending": (
         "outbox_pending_events",
         "Events written by committed attempts and not yet published by the relay",
-        "pending",
     ),
-    (
+    "oldest_pending_seconds": (
         "outbox_oldest_pending_age_seconds",
         "Age of the oldest event the relay has not published (the outbox's lag)",
-        "oldest_pending_seconds",
     ),
-)
+}
 #: ``flask idempotency recover``'s totals (kept in PostgreSQL, so one figure for every
 #: process and host): counters, since they only grow.
-_TABLE_COUNTERS = (
-    (
+_TABLE_COUNTERS = {
+    "recovered": (
         "recovered_records",
         "Abandoned records flask idempotency recover finished with their recovered answer",
-        "recovered",
     ),
-    (
+    "recovery_released": (
         "recovery_released_records",
         "Abandoned records flask idempotency recover released (nothing had happened)",
-        "recovery_released",
     ),
-)
+}
 
 
 class TableStatsCollector:
@@ -143,7 +131,7 @@ class TableStatsCollector:
         yield records
         kinds = ((GaugeMetricFamily, _TABLE_GAUGES), (CounterMetricFamily, _TABLE_COUNTERS))
         for kind, rows in kinds:
-            for name, doc, figure in rows:
+            for figure, (name, doc) in rows.items():
                 family = kind(f"{PREFIX}_{name}", doc)
                 if figures is not None:
                     family.add_metric([], figures.get(figure, 0.0))
