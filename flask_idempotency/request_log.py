@@ -67,15 +67,12 @@ def log_event(event: RequestEvent, level: int) -> None:
         parts.append("(took over a record whose lease had expired)")
     parts.append("%s %s")
     args: list[Any] = [event.method, event.route]
-    if event.status is not None:
-        parts.append("-> %d")
-        args.append(event.status)
-    if event.key_digest is not None:
-        parts.append("key %s")
-        args.append(event.key_digest)
-    if event.duration is not None:
-        parts.append("in %.1f ms")
-        args.append(event.duration * 1000)
+    duration = None if event.duration is None else event.duration * 1000
+    optional = (("-> %d", event.status), ("key %s", event.key_digest), ("in %.1f ms", duration))
+    for text, value in optional:
+        if value is not None:
+            parts.append(text)
+            args.append(value)
     message = " ".join(parts)
     if event.error is not None:
         message += ": %s"

@@ -144,10 +144,8 @@ class TableStatsCollector:
             now = self.clock()
             if self._cached is not None and now - self._cached[0] < self.interval:
                 return self._cached[1]
-            shared = self._shared is not None
-            at, figures = self._shared_figures(now) if shared else (now, self._query())
-            self._cached = (at, figures)
-            return figures
+            self._cached = self._shared_figures(now) if self._shared else (now, self._query())
+            return self._cached[1]
 
     def _query(self) -> dict[str, float] | None:
         self.queries += 1
