@@ -35,21 +35,17 @@ from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
 if TYPE_CHECKING:  # what the hub reads of a request: the fields its outcome is reported with
     from .engine import Attempt
 
-#: The snapshot counter of each outcome (a replay's depends on its source): an
-#: executed request whose answer was stored is ``completed``.
+#: The snapshot counter of each outcome but a replay, whose counter depends on its
+#: source: an executed request whose answer was stored is ``completed``.
 _COUNTER: dict[RequestOutcome, str] = {outcome: outcome.value for outcome in RequestOutcome}
 _COUNTER[RequestOutcome.EXECUTED] = "completed"
+del _COUNTER[RequestOutcome.REPLAYED]
 _REPLAY_COUNTER = {"cache": "replayed_from_cache", "store": "replayed_from_store"}
 
 #: Every counter, so a snapshot always has the same keys: one per outcome, and
 #: ``executed`` (claims won: the view ran, and its outcome is counted too) and
 #: ``takeovers`` (those of them that took over a dead holder's record).
-NAMES = (
-    "executed",
-    "takeovers",
-    *_REPLAY_COUNTER.values(),
-    *(name for outcome, name in _COUNTER.items() if outcome is not RequestOutcome.REPLAYED),
-)
+NAMES = ("executed", "takeovers", *_REPLAY_COUNTER.values(), *_COUNTER.values())
 
 #: The outcomes of a request refused before anything was claimed (each the error
 #: code of the refusal, but ``body_too_large``: any 413).
