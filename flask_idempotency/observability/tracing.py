@@ -76,8 +76,7 @@ class OpenTelemetryTracing(Observer):
         attach(app, self)
 
     def stage_started(self, stage: Stage, attributes: Attributes) -> object:
-        outer = _request_span.get() or trace.get_current_span()
-        outer_token = _request_span.set(outer)
+        outer_token = _request_span.set(_request_span.get() or trace.get_current_span())
         span = self._tracer.start_span(SPAN_NAMES[stage], kind=SpanKind.INTERNAL)
         return _Started(span, context.attach(trace.set_span_in_context(span)), outer_token)
 
