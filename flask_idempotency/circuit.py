@@ -75,15 +75,14 @@ class CircuitBreaker:
     def success(self) -> bool:
         """Report a call the server answered; whether that closed the breaker."""
         with self._lock:
-            if self.state is BreakerState.HALF_OPEN:
+            closes = self.state is BreakerState.HALF_OPEN
+            if closes:
                 self.state = BreakerState.CLOSED
-                self._failures = 0
-                return True
             if self.state is BreakerState.CLOSED:
                 self._failures = 0
             # OPEN: a call that began before the breaker opened; it proves
             # little about now, so the cooldown runs its course.
-            return False
+            return closes
 
     def failure(self) -> bool:
         """Report a failed call; whether that opened the breaker."""
