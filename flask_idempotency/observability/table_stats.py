@@ -161,8 +161,7 @@ class TableStatsCollector:
 
     def _shared_figures(self, now: float) -> tuple[float, dict[str, float] | None]:
         assert self._shared is not None
-        lock_path = self._shared.with_suffix(".lock")
-        with open(lock_path, "a+b") as lock:
+        with open(self._shared.with_suffix(".lock"), "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one worker queries, the others wait and read
             try:
                 cached = json.loads(self._shared.read_text())

@@ -89,14 +89,13 @@ class OpenTelemetryTracing(Observer):
         error: BaseException | None,
     ) -> None:
         assert isinstance(started, _Started)
-        span = started.span
         context.detach(started.token)
         _request_span.reset(started.outer_token)
-        span.set_attributes(attributes)
+        started.span.set_attributes(attributes)
         if error is not None:
-            span.record_exception(error)
-            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-        span.end()
+            started.span.record_exception(error)
+            started.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        started.span.end()
 
     def request_finished(self, event: RequestEvent) -> None:
         span = _request_span.get() or trace.get_current_span()
