@@ -51,8 +51,8 @@ class CircuitBreaker:
         #: wait knows afterwards whether the breaker opened meanwhile.
         self.openings = 0
         self._failures = 0
-        self._opened_at = 0.0
-        self._trial_started = 0.0
+        #: When the breaker opened, or when its latest half-open trial began.
+        self._since = 0.0
 
     def allow(self) -> bool:
         """Whether a call may go to the server now. Open: no, until the cooldown has
@@ -66,29 +66,23 @@ class CircuitBreaker:
             if self.state is BreakerState.CLOSED:
                 return True
             now = self.clock()
-            if self.state is BreakerState.OPEN:
-                if now - self._opened_at < self.cooldown:
-                    return False
-                self.state = BreakerState.HALF_OPEN
-                self._trial_started = now
-                return True
-            if now - self._trial_started < self.cooldown:
-                return False  # a trial is in flight; everyone else still skips
-            self._trial_started = now
+            if now - self._since < self.cooldown:
+                return False  # open: cooling down; half-open: a trial is in flight
+            self.state = BreakerState.HALF_OPEN
+            self._since = now
             return True
 
     def success(self) -> bool:
         """Report a call the server answered; whether that closed the breaker."""
         with self._lock:
-            if self.state is BreakerState.HALF_OPEN:
+            closes = self.state is BreakerState.HALF_OPEN
+            if closes:
                 self.state = BreakerState.CLOSED
-                self._failures = 0
-                return True
             if self.state is BreakerState.CLOSED:
                 self._failures = 0
             # OPEN: a call that began before the breaker opened; it proves
             # little about now, so the cooldown runs its course.
-            return False
+            return closes
 
     def failure(self) -> bool:
         """Report a failed call; whether that opened the breaker."""
@@ -104,7 +98,7 @@ class CircuitBreaker:
 
     def _open(self) -> None:
         self.state = BreakerState.OPEN
-        self._opened_at = self.clock()
+        self._since = self.clock()
         self._failures = 0
         self.openings += 1
 

@@ -112,17 +112,15 @@ def prepare_metrics_dir() -> Path | None:
     pid, how, prepared = _prepared()
     if directory and pid == os.getpid() and prepared == directory:
         return Path(directory)
+    how = "kept" if directory else "made"
     if not directory:
-        directory = tempfile.mkdtemp(prefix="prometheus-multiproc-")
-        os.environ[MULTIPROC_ENV] = directory
-        os.environ[_PREPARED_ENV] = f"{os.getpid()}:made:{directory}"
-        return Path(directory)
+        directory = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="prometheus-multiproc-")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     # prometheus-client's files, and the table statistics the workers share there.
     for stale in [*path.glob("*.db"), *path.glob("flask_idempotency_table_stats.*")]:
         stale.unlink(missing_ok=True)
-    os.environ[_PREPARED_ENV] = f"{os.getpid()}:kept:{directory}"
+    os.environ[_PREPARED_ENV] = f"{os.getpid()}:{how}:{directory}"
     return path
 
 

@@ -10,11 +10,12 @@ own). Those counters are this process's only; under gunicorn use
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from flask import Request, has_request_context, request
 from werkzeug.exceptions import HTTPException
@@ -31,45 +32,24 @@ from .observer import (
 from .request_log import BREAKER_REFUSAL_LEVEL, LEVELS, TAKEOVER_LEVEL, log, log_event
 from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
 
-#: The snapshot counter of each outcome (a replay's depends on its source): an
-#: executed request whose answer was stored is ``completed``.
+if TYPE_CHECKING:  # what the hub reads of a request: the fields its outcome is reported with
+    from .engine import Attempt
+
+#: The snapshot counter of each outcome but a replay, whose counter depends on its
+#: source: an executed request whose answer was stored is ``completed``.
 _COUNTER: dict[RequestOutcome, str] = {outcome: outcome.value for outcome in RequestOutcome}
 _COUNTER[RequestOutcome.EXECUTED] = "completed"
+del _COUNTER[RequestOutcome.REPLAYED]
 _REPLAY_COUNTER = {"cache": "replayed_from_cache", "store": "replayed_from_store"}
 
 #: Every counter, so a snapshot always has the same keys: one per outcome, and
 #: ``executed`` (claims won: the view ran, and its outcome is counted too) and
 #: ``takeovers`` (those of them that took over a dead holder's record).
-NAMES = (
-    "executed",
-    "takeovers",
-    *_REPLAY_COUNTER.values(),
-    *(name for outcome, name in _COUNTER.items() if outcome is not RequestOutcome.REPLAYED),
-)
+NAMES = ("executed", "takeovers", *_REPLAY_COUNTER.values(), *_COUNTER.values())
 
-#: The outcome of a request refused before anything was claimed, by error code.
-_REFUSALS = {
-    "invalid_key": RequestOutcome.INVALID_KEY,
-    "missing_key": RequestOutcome.MISSING_KEY,
-    "missing_scope": RequestOutcome.MISSING_SCOPE,
-    "malformed_body": RequestOutcome.MALFORMED_BODY,
-}
-
-#: What a claim decided, as the claim span's ``idempotency.claim.result``.
-_CLAIM_RESULTS: dict[type, str] = {flow.Proceed: "claimed", flow.Replay: "replay"}
-
-
-class RequestFacts(Protocol):
-    """What the hub reads from the extension's per-request state."""
-
-    record_key: bytes | None
-    token: int | None
-    scope: str | None
-    request: Request | None
-    started: float
-    takeover: bool
-    claim_seconds: float
-    completion_seconds: float | None
+#: The outcomes of a request refused before anything was claimed (each the error
+#: code of the refusal, but ``body_too_large``: any 413).
+_REFUSALS = {"invalid_key", "missing_key", "missing_scope", "malformed_body", "body_too_large"}
 
 
 class Metrics:
@@ -83,10 +63,6 @@ class Metrics:
         #: What the pool, the cache and the lease keeper call once observers exist.
         self.fanout = _Fanout(self)
 
-    def inc(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
-
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return {name: self._counts[name] for name in NAMES}
@@ -97,7 +73,7 @@ class Metrics:
 
     # -- the request path ------------------------------------------------------
 
-    def claimed(self, ctx: RequestFacts) -> None:
+    def claimed(self, ctx: Attempt) -> None:
         """A claim was won; the view runs next."""
         with self._lock:
             self._counts["executed"] += 1
@@ -108,7 +84,7 @@ class Metrics:
 
     def record(
         self,
-        ctx: RequestFacts | None,
+        ctx: Attempt | None,
         outcome: RequestOutcome,
         *,
         source: str | None = None,
@@ -130,25 +106,40 @@ class Metrics:
         loud = log.isEnabledFor(level)
         if not (loud or self.observers):
             return
-        event = _event(ctx, outcome, source, status, error)
+        route, method = _where(ctx.request if ctx is not None else None)
+        if ctx is None:
+            event = RequestEvent(outcome, route, method, source, status, error=_describe(error))
+        else:
+            event = RequestEvent(
+                outcome,
+                route,
+                method,
+                source,
+                status,
+                ctx.token is not None,
+                ctx.takeover,
+                log_key(ctx.record_key) if ctx.record_key is not None else None,
+                time.monotonic() - ctx.started if ctx.started else None,
+                ctx.claim_seconds or None,
+                ctx.completion_seconds,
+                _describe(error),
+                ctx.scope,
+            )
         if loud:
             log_event(event, level)
         for observer in self.observers:
             observer.request_finished(event)
 
-    def refused(self, exc: Exception) -> None:
+    def refused(self, exc: HTTPException) -> None:
         """A request refused before anything was claimed (its key, scope or body)."""
-        if isinstance(exc, HTTPException) and exc.code == 413:
-            self.record(None, RequestOutcome.BODY_TOO_LARGE, status=413)
-            return
-        outcome = _REFUSALS.get(getattr(exc, "error_code", ""))
-        if outcome is not None:
-            self.record(None, outcome, status=400)
+        code = "body_too_large" if exc.code == 413 else getattr(exc, "error_code", "")
+        if code in _REFUSALS:
+            self.record(None, RequestOutcome(code), status=exc.code)
 
     def stage(
         self,
         stage: Stage,
-        ctx: RequestFacts,
+        ctx: Attempt,
         *,
         source: str | None = None,
         status: int | None = None,
@@ -167,40 +158,37 @@ class Metrics:
         return StageTimer(self.observers, stage, attributes)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class StageTimer:
     """One stage, told to every observer as it starts and ends."""
 
-    __slots__ = ("_observers", "_stage", "_attributes", "_tokens", "_started")
-
-    def __init__(
-        self, observers: tuple[Observer, ...], stage: Stage, attributes: Attributes
-    ) -> None:
-        self._observers = observers
-        self._stage = stage
-        self._attributes = attributes
-        self._tokens: list[object] = []
-        self._started = 0.0
+    observers: tuple[Observer, ...]
+    stage: Stage
+    attributes: Attributes
+    tokens: list[object] = dataclasses.field(default_factory=list)
+    started: float = 0.0
 
     def __enter__(self) -> StageTimer:
-        self._tokens = [o.stage_started(self._stage, self._attributes) for o in self._observers]
-        self._started = time.perf_counter()
+        self.tokens = [o.stage_started(self.stage, self.attributes) for o in self.observers]
+        self.started = time.perf_counter()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        seconds = time.perf_counter() - self._started
+        seconds = time.perf_counter() - self.started
         error = exc_info[1] if isinstance(exc_info[1], BaseException) else None
-        if self._stage is Stage.COMPLETE:
-            self._attributes["idempotency.outcome"] = _completion_outcome(error)
-        for observer, token in zip(self._observers, self._tokens, strict=True):
-            observer.stage_ended(self._stage, token, seconds, self._attributes, error)
+        if self.stage is Stage.COMPLETE:
+            self.attributes["idempotency.outcome"] = _completion_outcome(error)
+        for observer, token in zip(self.observers, self.tokens, strict=True):
+            observer.stage_ended(self.stage, token, seconds, self.attributes, error)
 
     def decided(self, decision: flow.Decision, takeover: bool) -> None:
-        """Note what the claim decided (the claim span's result and takeover)."""
-        result = _CLAIM_RESULTS.get(type(decision))
-        if result is None and isinstance(decision, flow.Reject):
+        """Note what the claim decided (the claim span's ``idempotency.claim.result``:
+        ``claimed``, ``replay`` or why it was rejected; and the takeover)."""
+        result = "claimed" if isinstance(decision, flow.Proceed) else "replay"
+        if isinstance(decision, flow.Reject):
             result = decision.reason.value
-        self._attributes["idempotency.claim.result"] = result or "unknown"
-        self._attributes["idempotency.takeover"] = takeover
+        self.attributes["idempotency.claim.result"] = result
+        self.attributes["idempotency.takeover"] = takeover
 
 
 def _completion_outcome(error: BaseException | None) -> str:
@@ -213,6 +201,15 @@ def _completion_outcome(error: BaseException | None) -> str:
     return "error"
 
 
+class _Fanout(Observer):
+    """The pool's, the cache's, the keeper's and the consumers' observer: each of
+    their hooks (every :class:`Observer` hook but the request path's, which the hub
+    calls itself) is passed on to every attached observer."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+
 def _passed_on(hook: str) -> Callable[..., None]:
     """An :class:`Observer` hook that calls ``hook`` of every attached observer."""
 
@@ -223,25 +220,11 @@ def _passed_on(hook: str) -> Callable[..., None]:
     return pass_on
 
 
-class _Fanout(Observer):
-    """The pool's, the cache's and the keeper's observer: passes each call on."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    leases_renewed = _passed_on("leases_renewed")
-    lease_renewal_failed = _passed_on("lease_renewal_failed")
-    cache_lookup = _passed_on("cache_lookup")
-    cache_rejected = _passed_on("cache_rejected")
-    redis_failed = _passed_on("redis_failed")
-    redis_skipped = _passed_on("redis_skipped")
-    breaker_changed = _passed_on("breaker_changed")
-    store_breaker_changed = _passed_on("store_breaker_changed")
-    pool_checkout = _passed_on("pool_checkout")
-    pool_checkin = _passed_on("pool_checkin")
-    pool_waiting = _passed_on("pool_waiting")
-    pool_timeout = _passed_on("pool_timeout")
-    dead_lettered = _passed_on("dead_lettered")
+#: The request path's hooks: the hub calls the observers' own.
+_REQUEST_HOOKS = {"request_finished", "claimed", "stage_started", "stage_ended"}
+for _hook in vars(Observer).keys() - _REQUEST_HOOKS:
+    if not _hook.startswith("_") and callable(getattr(Observer, _hook)):
+        setattr(_Fanout, _hook, _passed_on(_hook))
 
 
 def _where(req: Request | None) -> tuple[str, str]:
@@ -254,33 +237,6 @@ def _where(req: Request | None) -> tuple[str, str]:
         req = request
     rule = req.url_rule
     return (rule.rule if rule is not None else "<unmatched>"), req.method
-
-
-def _event(
-    ctx: RequestFacts | None,
-    outcome: RequestOutcome,
-    source: str | None,
-    status: int | None,
-    error: BaseException | None,
-) -> RequestEvent:
-    route, method = _where(ctx.request if ctx is not None else None)
-    if ctx is None:
-        return RequestEvent(outcome, route, method, status=status, error=_describe(error))
-    return RequestEvent(
-        outcome,
-        route,
-        method,
-        source,
-        status,
-        ctx.token is not None,
-        ctx.takeover,
-        log_key(ctx.record_key) if ctx.record_key is not None else None,
-        time.monotonic() - ctx.started if ctx.started else None,
-        ctx.claim_seconds or None,
-        ctx.completion_seconds,
-        _describe(error),
-        ctx.scope,
-    )
 
 
 def _describe(error: BaseException | None) -> str | None:

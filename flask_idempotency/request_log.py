@@ -61,32 +61,24 @@ BREAKER_REFUSAL_LEVEL = logging.INFO
 def log_event(event: RequestEvent, level: int) -> None:
     """Write ``event`` at ``level`` (the caller checked the level is enabled)."""
     parts = [f"idempotency: {event.outcome.value}"]
-    args: list[Any] = []
     if event.source is not None:
         parts.append(f"from {event.source}")
     if event.takeover:
         parts.append("(took over a record whose lease had expired)")
     parts.append("%s %s")
-    args += [event.method, event.route]
-    if event.status is not None:
-        parts.append("-> %d")
-        args.append(event.status)
-    if event.key_digest is not None:
-        parts.append("key %s")
-        args.append(event.key_digest)
-    if event.duration is not None:
-        parts.append("in %.1f ms")
-        args.append(event.duration * 1000)
+    args: list[Any] = [event.method, event.route]
+    duration = None if event.duration is None else event.duration * 1000
+    optional = (("-> %d", event.status), ("key %s", event.key_digest), ("in %.1f ms", duration))
+    for text, value in optional:
+        if value is not None:
+            parts.append(text)
+            args.append(value)
     message = " ".join(parts)
     if event.error is not None:
         message += ": %s"
         args.append(event.error)
-    log.log(level, message, *args, extra=extra_fields(event))
-
-
-def extra_fields(event: RequestEvent) -> dict[str, Any]:
-    """The event as ``LogRecord`` attributes (none of them clash with logging's own)."""
-    return {
+    # The event as LogRecord attributes (none of them clash with logging's own).
+    extra = {
         "route": event.route,
         "method": event.method,
         "outcome": event.outcome.value,
@@ -100,6 +92,7 @@ def extra_fields(event: RequestEvent) -> dict[str, Any]:
         "completion_ms": _ms(event.completion_duration),
         "error": event.error,
     }
+    log.log(level, message, *args, extra=extra)
 
 
 def _ms(seconds: float | None) -> float | None:

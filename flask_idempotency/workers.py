@@ -99,15 +99,13 @@ def gunicorn_workers() -> int | None:
     """
     if not os.environ.get("SERVER_SOFTWARE", "").startswith("gunicorn/"):
         return None  # set by gunicorn's arbiter, inherited by its workers
-    arbiter_module = sys.modules.get("gunicorn.arbiter")
-    arbiter_class = getattr(arbiter_module, "Arbiter", None)
+    arbiter_class = getattr(sys.modules.get("gunicorn.arbiter"), "Arbiter", None)
     if arbiter_class is None:
         return None
     for frame in _stacks():
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, arbiter_class):
-            count = getattr(candidate, "num_workers", None) or candidate.cfg.workers
-            return int(count)
+            return int(getattr(candidate, "num_workers", None) or candidate.cfg.workers)
     return None
 
 

@@ -37,7 +37,6 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterable
 
 from flask import Flask, Response, request
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
@@ -80,103 +79,89 @@ def multiprocess_mode() -> bool:
     return values.ValueClass is not values.MutexValue
 
 
+#: The counters (``_total`` added to their names): name, help, then labels.
+_COUNTERS: tuple[tuple[str, ...], ...] = (
+    (
+        "requests",
+        "Requests to idempotent routes by route and outcome (source: cache or store for "
+        "replays, else empty)",
+        "route",
+        "outcome",
+        "source",
+    ),
+    ("lease_takeovers", "Claims that took over a record whose holder's lease had expired"),
+    ("lease_renewals", "Leases of running views extended by the lease keeper"),
+    ("lease_renewal_failures", "Lease renewal rounds that failed (PostgreSQL unreachable)"),
+    (
+        "cache_lookups",
+        "Response cache lookups (a failed or skipped Redis call is a miss)",
+        "result",
+    ),
+    (
+        "cache_rejected",
+        "Cached entries not replayed (failed verification, another version, expired)",
+        "reason",
+    ),
+    (
+        "events_dead_lettered",
+        "Messages a consumer gave up on (dead-lettered), by consumer and reason",
+        "consumer",
+        "reason",
+    ),
+    ("redis_errors", "Redis commands that failed (treated as misses)", "command"),
+    ("redis_skipped", "Redis commands skipped while the circuit breaker was open", "command"),
+    ("redis_breaker_opened", "Times the Redis circuit breaker opened"),
+    (
+        "store_breaker_opened",
+        "Times the PostgreSQL circuit breaker opened (requests answered 503 at once)",
+    ),
+    ("pool_timeouts", "Requests that found no free database connection in time (503)"),
+)
+#: The gauges, as the counters. Summed over live workers (``livesum``): a dead
+#: worker's file is removed by mark_process_dead() in gunicorn's child_exit.
+_GAUGES: tuple[tuple[str, ...], ...] = (
+    ("claims_in_flight", "Claims held by running views"),
+    ("redis_breaker_state", "Processes whose Redis circuit breaker is in each state", "state"),
+    ("store_breaker_state", "Processes whose PostgreSQL circuit breaker is in each state", "state"),
+    ("pool_connections_max", "Database connections the pools may lend to requests"),
+    ("pool_connections_in_use", "Database connections lent to requests right now"),
+    ("pool_waiting_requests", "Requests waiting for a free database connection"),
+)
+#: The histograms of the stages timed: name and help.
+_HISTOGRAMS = {
+    Stage.CLAIM: (
+        "claim_duration_seconds",
+        "Time of the claim statement (every try of a waiting one)",
+    ),
+    Stage.COMPLETE: (
+        "completion_duration_seconds",
+        "Time to store an answer: the completion statement and the view's commit",
+    ),
+}
+
+
 class _Instruments:
-    """The metric objects. One set per registry, and one per process in
-    multiprocess mode (two objects of one name would overwrite each other's file
-    entries)."""
+    """The metric objects, by name (without the ``flask_idempotency_`` prefix). One
+    set per registry, and one per process in multiprocess mode (two objects of one
+    name would overwrite each other's file entries)."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
-        def counter(name: str, doc: str, labels: Iterable[str] = ()) -> Counter:
-            return Counter(f"{PREFIX}_{name}", doc, list(labels), registry=registry)
-
-        def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> Gauge:
-            # livesum: summed over live workers; a dead worker's file is removed by
-            # mark_process_dead() in gunicorn's child_exit.
-            return Gauge(
-                f"{PREFIX}_{name}", doc, list(labels), registry=registry,
-                multiprocess_mode="livesum",
-            )  # fmt: skip
-
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(f"{PREFIX}_{name}", doc, registry=registry, buckets=LATENCY_BUCKETS)
-
-        self.requests = counter(
-            "requests",
-            "Requests to idempotent routes by route and outcome (source: cache or store for "
-            "replays, else empty)",
-            ("route", "outcome", "source"),
-        )
-        self.claim_seconds = histogram(
-            "claim_duration_seconds", "Time of the claim statement (every try of a waiting one)"
-        )
-        self.completion_seconds = histogram(
-            "completion_duration_seconds",
-            "Time to store an answer: the completion statement and the view's commit",
-        )
-        self.in_flight = gauge("claims_in_flight", "Claims held by running views")
-        self.takeovers = counter(
-            "lease_takeovers", "Claims that took over a record whose holder's lease had expired"
-        )
-        self.lease_renewals = counter(
-            "lease_renewals", "Leases of running views extended by the lease keeper"
-        )
-        self.lease_renewal_failures = counter(
-            "lease_renewal_failures", "Lease renewal rounds that failed (PostgreSQL unreachable)"
-        )
-        self.cache_lookups = counter(
-            "cache_lookups",
-            "Response cache lookups (a failed or skipped Redis call is a miss)",
-            ("result",),
-        )
-        self.cache_hits = self.cache_lookups.labels("hit")
-        self.cache_misses = self.cache_lookups.labels("miss")
-        self.cache_rejected = counter(
-            "cache_rejected",
-            "Cached entries not replayed (failed verification, another version, expired)",
-            ("reason",),
-        )
-        self.dead_lettered = counter(
-            "events_dead_lettered",
-            "Messages a consumer gave up on (dead-lettered), by consumer and reason",
-            ("consumer", "reason"),
-        )
-        self.redis_errors = counter(
-            "redis_errors", "Redis commands that failed (treated as misses)", ("command",)
-        )
-        self.redis_skipped = counter(
-            "redis_skipped",
-            "Redis commands skipped while the circuit breaker was open",
-            ("command",),
-        )
-        self.breaker_state = gauge(
-            "redis_breaker_state",
-            "Processes whose Redis circuit breaker is in each state",
-            ("state",),
-        )
-        self.breaker_opened = counter(
-            "redis_breaker_opened", "Times the Redis circuit breaker opened"
-        )
-        self.store_breaker_state = gauge(
-            "store_breaker_state",
-            "Processes whose PostgreSQL circuit breaker is in each state",
-            ("state",),
-        )
-        self.store_breaker_opened = counter(
-            "store_breaker_opened",
-            "Times the PostgreSQL circuit breaker opened (requests answered 503 at once)",
-        )
-        self.pool_max = gauge(
-            "pool_connections_max", "Database connections the pools may lend to requests"
-        )
-        self.pool_in_use = gauge(
-            "pool_connections_in_use", "Database connections lent to requests right now"
-        )
-        self.pool_waiting = gauge(
-            "pool_waiting_requests", "Requests waiting for a free database connection"
-        )
-        self.pool_timeouts = counter(
-            "pool_timeouts", "Requests that found no free database connection in time (503)"
-        )
+        self.counter = {
+            name: Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
+            for name, doc, *labels in _COUNTERS
+        }
+        self.gauge = {
+            name: Gauge(
+                f"{PREFIX}_{name}", doc, labels, registry=registry, multiprocess_mode="livesum"
+            )
+            for name, doc, *labels in _GAUGES
+        }
+        self.stage_seconds = {
+            stage: Histogram(f"{PREFIX}_{name}", doc, registry=registry, buckets=LATENCY_BUCKETS)
+            for stage, (name, doc) in _HISTOGRAMS.items()
+        }
+        self.cache_hits = self.counter["cache_lookups"].labels("hit")
+        self.cache_misses = self.counter["cache_lookups"].labels("miss")
         # Only ever 1 outside multiprocess mode, where it is a plain per-process gauge.
         self.multiprocess_misconfigured = Gauge(
             f"{PREFIX}_metrics_multiprocess_misconfigured",
@@ -191,6 +176,9 @@ _instruments: weakref.WeakKeyDictionary[CollectorRegistry, _Instruments] = (
     weakref.WeakKeyDictionary()
 )
 _instruments_lock = threading.Lock()
+#: The process that last logged the misconfiguration (a forked worker logs again:
+#: its parent's log is not its own).
+_misconfiguration_logged_in: int | None = None
 
 
 def _instruments_for(registry: CollectorRegistry) -> _Instruments:
@@ -246,13 +234,12 @@ class PrometheusMetrics(Observer):
         self._check_workers()
         capacity = pool_capacity(app)
         if capacity is not None:
-            self._m.pool_max.inc(capacity[0])
+            self._m.gauge["pool_connections_max"].inc(capacity[0])
         attach(app, self)
         self._apps.append(app)
         self._show_routes()
         if self.table_stats:
-            state = app_state(app)
-            store = state.postgres_store("IDEMPOTENCY table statistics (table_stats=True)")
+            store = app_state(app).postgres_store("IDEMPOTENCY table statistics (table_stats=True)")
             collector = TableStatsCollector(store, interval=self.table_stats_interval)
             self._collectors.append(collector)
             if not multiprocess_mode():
@@ -278,11 +265,42 @@ class PrometheusMetrics(Observer):
         return encoder(self._registry_to_scrape()), content_type
 
     def _check_workers(self) -> None:
-        """The misconfiguration gauge (and ERROR) of a worker that exports its figures
-        alone; at start-up, and on scrapes for a worker forked after ``init_app``
-        (``preload_app``)."""
-        if _misconfigured():
-            self._m.multiprocess_misconfigured.set(1)
+        """The misconfiguration gauge (and ERROR, once per process) of a worker that
+        is one of several gunicorn workers exporting only its own figures (not in
+        prometheus-client's multiprocess mode); at start-up, and on scrapes for a
+        worker forked after ``init_app`` (``preload_app``).
+
+        Without prometheus-client's multiprocess mode every worker of a multi-process
+        server keeps its own figures, and a scrape shows whichever worker answered it:
+        the counters jump back and forth and nothing looks wrong. So this is said once
+        in each such process, and the ``metrics_multiprocess_misconfigured`` gauge set
+        to 1 for an alert. It knows gunicorn only
+        (:func:`~flask_idempotency.workers.gunicorn_workers`); under another
+        multi-process server (uWSGI, mod_wsgi) it stays silent.
+        """
+        global _misconfiguration_logged_in
+        workers = None if multiprocess_mode() else gunicorn_workers()  # walks the stacks
+        if workers is None or workers < 2:
+            return
+        self._m.multiprocess_misconfigured.set(1)
+        with _instruments_lock:
+            if _misconfiguration_logged_in == os.getpid():
+                return
+            _misconfiguration_logged_in = os.getpid()
+        reason = (
+            f"{MULTIPROC_ENV} is set but prometheus_client was imported before it was"
+            if os.environ.get(MULTIPROC_ENV)
+            else f"{MULTIPROC_ENV} is not set"
+        )
+        log.error(
+            "Prometheus metrics are served by one of gunicorn's %d workers without "
+            "prometheus-client's multiprocess mode (%s): each scrape shows only the figures "
+            "of the worker that answers it. Add to gunicorn.conf.py: from "
+            "flask_idempotency.gunicorn import child_exit, on_exit, on_starting, "
+            "post_worker_init (docs: observability).",
+            workers,
+            reason,
+        )
 
     def _show_routes(self) -> None:
         """Every outcome of every decorated route at 0 until it happens: rates and
@@ -297,7 +315,7 @@ class PrometheusMetrics(Observer):
                 for outcome in RequestOutcome:
                     sources = ("cache", "store") if outcome is RequestOutcome.REPLAYED else ("",)
                     for source in sources:
-                        self._m.requests.labels(rule.rule, outcome.value, source)
+                        self._m.counter["requests"].labels(rule.rule, outcome.value, source)
 
     def response(self) -> Response:
         """``exposition()`` as the answer of a Flask view (``GET /metrics``)."""
@@ -318,14 +336,15 @@ class PrometheusMetrics(Observer):
     # -- the observer hooks ------------------------------------------------------
 
     def request_finished(self, event: RequestEvent) -> None:
-        self._m.requests.labels(event.route, event.outcome.value, event.source or "").inc()
+        requests = self._m.counter["requests"]
+        requests.labels(event.route, event.outcome.value, event.source or "").inc()
         if event.claimed:
-            self._m.in_flight.dec()
+            self._m.gauge["claims_in_flight"].dec()
 
     def claimed(self, takeover: bool) -> None:
-        self._m.in_flight.inc()
+        self._m.gauge["claims_in_flight"].inc()
         if takeover:
-            self._m.takeovers.inc()
+            self._m.counter["lease_takeovers"].inc()
 
     def stage_ended(
         self,
@@ -335,96 +354,51 @@ class PrometheusMetrics(Observer):
         attributes: Attributes,
         error: BaseException | None,
     ) -> None:
-        if stage is Stage.CLAIM:
-            self._m.claim_seconds.observe(seconds)
-        elif stage is Stage.COMPLETE:
-            self._m.completion_seconds.observe(seconds)
+        if stage in self._m.stage_seconds:
+            self._m.stage_seconds[stage].observe(seconds)
 
     def leases_renewed(self, renewed: int) -> None:
         if renewed:
-            self._m.lease_renewals.inc(renewed)
+            self._m.counter["lease_renewals"].inc(renewed)
 
     def lease_renewal_failed(self) -> None:
-        self._m.lease_renewal_failures.inc()
+        self._m.counter["lease_renewal_failures"].inc()
 
     def cache_lookup(self, hit: bool) -> None:
         (self._m.cache_hits if hit else self._m.cache_misses).inc()
 
     def cache_rejected(self, reason: str) -> None:
-        self._m.cache_rejected.labels(reason).inc()
+        self._m.counter["cache_rejected"].labels(reason).inc()
 
     def dead_lettered(self, consumer: str, reason: str) -> None:
-        self._m.dead_lettered.labels(consumer, reason).inc()
+        self._m.counter["events_dead_lettered"].labels(consumer, reason).inc()
 
     def redis_failed(self, command: str) -> None:
-        self._m.redis_errors.labels(command).inc()
+        self._m.counter["redis_errors"].labels(command).inc()
 
     def redis_skipped(self, command: str) -> None:
-        self._m.redis_skipped.labels(command).inc()
+        self._m.counter["redis_skipped"].labels(command).inc()
 
     def breaker_changed(self, state: str) -> None:
-        _breaker_changed(self._m.breaker_state, self._m.breaker_opened, state)
+        self._breaker_changed("redis_breaker", state)
 
     def store_breaker_changed(self, state: str) -> None:
-        _breaker_changed(self._m.store_breaker_state, self._m.store_breaker_opened, state)
+        self._breaker_changed("store_breaker", state)
+
+    def _breaker_changed(self, breaker: str, state: str) -> None:
+        for name in ("closed", "open", "half-open"):
+            self._m.gauge[f"{breaker}_state"].labels(name).set(1 if name == state else 0)
+        if state == "open":
+            self._m.counter[f"{breaker}_opened"].inc()
 
     def pool_checkout(self) -> None:
-        self._m.pool_in_use.inc()
+        self._m.gauge["pool_connections_in_use"].inc()
 
     def pool_checkin(self) -> None:
-        self._m.pool_in_use.dec()
+        self._m.gauge["pool_connections_in_use"].dec()
 
     def pool_waiting(self, delta: int) -> None:
-        self._m.pool_waiting.inc(delta)
+        self._m.gauge["pool_waiting_requests"].inc(delta)
 
     def pool_timeout(self) -> None:
-        self._m.pool_timeouts.inc()
-
-
-def _breaker_changed(state_gauge: Gauge, opened: Counter, state: str) -> None:
-    for name in ("closed", "open", "half-open"):
-        state_gauge.labels(name).set(1 if name == state else 0)
-    if state == "open":
-        opened.inc()
-
-
-#: The process that last logged the misconfiguration (a forked worker logs again:
-#: its parent's log is not its own).
-_misconfiguration_logged_in: int | None = None
-
-
-def _misconfigured() -> bool:
-    """Whether this process is one of several gunicorn workers exporting only its own
-    figures (not in prometheus-client's multiprocess mode); logs an ERROR once per process.
-
-    Without prometheus-client's multiprocess mode every worker of a multi-process
-    server keeps its own figures, and a scrape shows whichever worker answered it:
-    the counters jump back and forth and nothing looks wrong. So this is said once
-    in each such process, and the ``metrics_multiprocess_misconfigured`` gauge set
-    to 1 for an alert. It knows gunicorn only
-    (:func:`~flask_idempotency.workers.gunicorn_workers`); under another
-    multi-process server (uWSGI, mod_wsgi) it stays silent.
-    """
-    global _misconfiguration_logged_in
-    workers = None if multiprocess_mode() else gunicorn_workers()  # walks the stacks
-    if workers is None or workers < 2:
-        return False
-    with _instruments_lock:
-        if _misconfiguration_logged_in == os.getpid():
-            return True
-        _misconfiguration_logged_in = os.getpid()
-    reason = (
-        f"{MULTIPROC_ENV} is set but prometheus_client was imported before it was"
-        if os.environ.get(MULTIPROC_ENV)
-        else f"{MULTIPROC_ENV} is not set"
-    )
-    log.error(
-        "Prometheus metrics are served by one of gunicorn's %d workers without "
-        "prometheus-client's multiprocess mode (%s): each scrape shows only the figures "
-        "of the worker that answers it. Add to gunicorn.conf.py: from "
-        "flask_idempotency.gunicorn import child_exit, on_exit, on_starting, "
-        "post_worker_init (docs: observability).",
-        workers,
-        reason,
-    )
-    return True
+        self._m.counter["pool_timeouts"].inc()

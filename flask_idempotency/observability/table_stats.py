@@ -35,59 +35,47 @@ DEFAULT_TABLE_STATS_INTERVAL = 15.0
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-#: ``store.stats()`` figures and the gauges they become.
+#: ``store.stats()`` figures and the gauges they become (name and help).
 _RECORD_STATES = ("processing", "completed", "expired")
-_TABLE_GAUGES = (
-    (
+_TABLE_GAUGES = {
+    "lease_expired": (
         "records_lease_expired",
         "Processing records whose lease expired and that nobody took over (stuck)",
-        "lease_expired",
     ),
-    (
+    "oldest_processing_seconds": (
         "oldest_processing_age_seconds",
         "Age of the oldest processing record",
-        "oldest_processing_seconds",
     ),
-    (
-        "records_takeovers",
-        "Takeovers counted on the records still in the table",
-        "takeovers",
-    ),
-    (
+    "takeovers": ("records_takeovers", "Takeovers counted on the records still in the table"),
+    "recoverable": (
         "records_recoverable",
         "Abandoned records (holder dead, lease ended) of routes that declare recover=",
-        "recoverable",
     ),
-    (
+    "oldest_abandoned_seconds": (
         "oldest_abandoned_age_seconds",
         "How long the oldest abandoned record's lease has been over",
-        "oldest_abandoned_seconds",
     ),
-    (
+    "pending": (
         "outbox_pending_events",
         "Events written by committed attempts and not yet published by the relay",
-        "pending",
     ),
-    (
+    "oldest_pending_seconds": (
         "outbox_oldest_pending_age_seconds",
         "Age of the oldest event the relay has not published (the outbox's lag)",
-        "oldest_pending_seconds",
     ),
-)
+}
 #: ``flask idempotency recover``'s totals (kept in PostgreSQL, so one figure for every
 #: process and host): counters, since they only grow.
-_TABLE_COUNTERS = (
-    (
+_TABLE_COUNTERS = {
+    "recovered": (
         "recovered_records",
         "Abandoned records flask idempotency recover finished with their recovered answer",
-        "recovered",
     ),
-    (
+    "recovery_released": (
         "recovery_released_records",
         "Abandoned records flask idempotency recover released (nothing had happened)",
-        "recovery_released",
     ),
-)
+}
 
 
 class TableStatsCollector:
@@ -143,7 +131,7 @@ class TableStatsCollector:
         yield records
         kinds = ((GaugeMetricFamily, _TABLE_GAUGES), (CounterMetricFamily, _TABLE_COUNTERS))
         for kind, rows in kinds:
-            for name, doc, figure in rows:
+            for figure, (name, doc) in rows.items():
                 family = kind(f"{PREFIX}_{name}", doc)
                 if figures is not None:
                     family.add_metric([], figures.get(figure, 0.0))
@@ -156,10 +144,8 @@ class TableStatsCollector:
             now = self.clock()
             if self._cached is not None and now - self._cached[0] < self.interval:
                 return self._cached[1]
-            shared = self._shared is not None
-            at, figures = self._shared_figures(now) if shared else (now, self._query())
-            self._cached = (at, figures)
-            return figures
+            self._cached = self._shared_figures(now) if self._shared else (now, self._query())
+            return self._cached[1]
 
     def _query(self) -> dict[str, float] | None:
         self.queries += 1
@@ -175,8 +161,7 @@ class TableStatsCollector:
 
     def _shared_figures(self, now: float) -> tuple[float, dict[str, float] | None]:
         assert self._shared is not None
-        lock_path = self._shared.with_suffix(".lock")
-        with open(lock_path, "a+b") as lock:
+        with open(self._shared.with_suffix(".lock"), "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one worker queries, the others wait and read
             try:
                 cached = json.loads(self._shared.read_text())

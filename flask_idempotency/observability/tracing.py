@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 from contextvars import ContextVar, Token
-from importlib.metadata import PackageNotFoundError, version
 
 from flask import Flask
 from opentelemetry import context, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
 
+from .. import __version__
 from ..observer import Attributes, Observer, RequestEvent, Stage
 from . import attach
 
@@ -47,14 +47,6 @@ SPAN_NAMES = {stage: f"idempotency.{stage.value}" for stage in Stage}
 #: The span that was current when our outermost stage began: the request's, which
 #: gets the outcome even when the outcome is decided inside a stage.
 _request_span: ContextVar[Span | None] = ContextVar("flask_idempotency_request_span", default=None)
-
-
-def _version() -> str | None:
-    """The installed release, for the tracer's instrumentation scope."""
-    try:
-        return version("flask-idempotency")
-    except PackageNotFoundError:
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +64,9 @@ class OpenTelemetryTracing(Observer):
     def __init__(
         self, app: Flask | None = None, *, tracer_provider: TracerProvider | None = None
     ) -> None:
+        # The release as the instrumentation scope's version.
         self._tracer = trace.get_tracer(
-            "flask_idempotency", _version(), tracer_provider=tracer_provider
+            "flask_idempotency", __version__, tracer_provider=tracer_provider
         )
         if app is not None:
             self.init_app(app)
@@ -83,8 +76,7 @@ class OpenTelemetryTracing(Observer):
         attach(app, self)
 
     def stage_started(self, stage: Stage, attributes: Attributes) -> object:
-        outer = _request_span.get() or trace.get_current_span()
-        outer_token = _request_span.set(outer)
+        outer_token = _request_span.set(_request_span.get() or trace.get_current_span())
         span = self._tracer.start_span(SPAN_NAMES[stage], kind=SpanKind.INTERNAL)
         return _Started(span, context.attach(trace.set_span_in_context(span)), outer_token)
 
@@ -97,14 +89,13 @@ class OpenTelemetryTracing(Observer):
         error: BaseException | None,
     ) -> None:
         assert isinstance(started, _Started)
-        span = started.span
         context.detach(started.token)
         _request_span.reset(started.outer_token)
-        span.set_attributes(attributes)
+        started.span.set_attributes(attributes)
         if error is not None:
-            span.record_exception(error)
-            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
-        span.end()
+            started.span.record_exception(error)
+            started.span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        started.span.end()
 
     def request_finished(self, event: RequestEvent) -> None:
         span = _request_span.get() or trace.get_current_span()
