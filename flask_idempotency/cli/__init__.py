@@ -63,6 +63,8 @@ group = _Commands(
     help="Maintain the idempotency records: migrate, purge, inspect, unlock, recover, "
     "relay events.",
     epilog=GROUP_EPILOG,
+    # Every option that has a default shows it in --help (the subcommands inherit it).
+    context_settings={"show_default": True},
 )
 group.add_command(relay)
 group.add_command(show)
@@ -105,7 +107,6 @@ Examples:
 @click.option(
     "--batch-size",
     default=1000,
-    show_default=True,
     type=click.IntRange(min=1),
     help="Rows deleted per transaction.",
 )
@@ -199,7 +200,6 @@ Examples:
 @click.option(
     "--older-than",
     default=completer.DEFAULT_OLDER_THAN,
-    show_default=True,
     type=click.FloatRange(min=0),
     help="Only records whose lease ended at least this many seconds ago (a client's "
     "own retry gets that long to come first).",
@@ -208,14 +208,12 @@ Examples:
 @click.option(
     "--batch-size",
     default=completer.DEFAULT_BATCH_SIZE,
-    show_default=True,
     type=click.IntRange(min=1),
     help="Records taken over per statement.",
 )
 @click.option(
     "--interval",
     default=completer.DEFAULT_INTERVAL,
-    show_default=True,
     type=click.FloatRange(min=0.1),
     help="Seconds between passes when looping.",
 )
@@ -282,7 +280,6 @@ Examples:
     "--stale-after",
     type=click.FloatRange(min=0, min_open=True),
     default=DEFAULT_STALE_AFTER,
-    show_default=True,
     metavar="SECONDS",
     help="Warn when the relay or the completer (where needed) has not run for this long.",
 )

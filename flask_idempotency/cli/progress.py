@@ -35,7 +35,6 @@ DEFAULT_INTERVAL = 10.0
 interval_option = click.option(
     "--progress-interval",
     default=DEFAULT_INTERVAL,
-    show_default=True,
     type=click.FloatRange(min=0),
     metavar="SECONDS",
     help="When standard error is not a terminal (cron, a log), print a progress line "

@@ -34,14 +34,12 @@ Examples:
 @click.option(
     "--batch-size",
     default=DEFAULT_BATCH_SIZE,
-    show_default=True,
     type=click.IntRange(min=1),
     help="Events per transaction.",
 )
 @click.option(
     "--poll-interval",
     default=DEFAULT_POLL_INTERVAL,
-    show_default=True,
     type=click.FloatRange(min=0.01),
     help="Seconds between looks at an empty outbox.",
 )
