@@ -264,14 +264,12 @@ Examples:
 @click.option(
     "--gunicorn-config",
     type=click.Path(exists=True, dir_okay=False),
-    default=None,
     help="gunicorn's configuration file, to check the pool against its threads (default: "
     "the one GUNICORN_CMD_ARGS names, else ./gunicorn.conf.py if there is one).",
 )
 @click.option(
     "--processor-timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=None,
     metavar="SECONDS",
     help="The longest a view waits on its downstream (say, the card processor's client "
     "timeout): checked against the leases and TTLs.",

@@ -124,7 +124,6 @@ def _env_for(header: str) -> str | None:
 
 scope_option = click.option(
     "--scope",
-    default=None,
     help="The scope exactly as the scope function returns it (e.g. user:42), for scopes "
     "that cannot be computed from headers.",
 )

@@ -23,13 +23,9 @@ Examples:
 )
 @with_appcontext
 @click.option("--once", is_flag=True, help="Publish what is pending, then exit (cron, tests).")
+@click.option("--broker-url", help="Broker URL; default: the app's IDEMPOTENCY_BROKER_URL.")
 @click.option(
-    "--broker-url", default=None, help="Broker URL; default: the app's IDEMPOTENCY_BROKER_URL."
-)
-@click.option(
-    "--exchange",
-    default=None,
-    help='Exchange; default: the app\'s IDEMPOTENCY_BROKER_OPTIONS["exchange"].',
+    "--exchange", help='Exchange; default: the app\'s IDEMPOTENCY_BROKER_OPTIONS["exchange"].'
 )
 @click.option(
     "--batch-size",
