@@ -27,7 +27,7 @@ from .doctor import document as diagnosis_document
 from .doctor import lines as diagnosis_lines
 from .doctor.base import DEFAULT_STALE_AFTER, Options
 from .output import echo_document, json_option
-from .progress import Progress, interval_option
+from .progress import Progress, batch_size_option, interval_option
 from .prompts import confirm, yes_option
 from .records import show, unlock
 from .relay import relay
@@ -104,12 +104,7 @@ Examples:
 """
 )
 @click.option("--dry-run", is_flag=True, help="Only count the expired records and events.")
-@click.option(
-    "--batch-size",
-    default=1000,
-    type=click.IntRange(min=1),
-    help="Rows deleted per transaction.",
-)
+@batch_size_option(1000, "Rows deleted per transaction.")
 @yes_option
 @interval_option
 def purge(dry_run: bool, batch_size: int, yes: bool, progress_interval: float) -> None:
@@ -205,12 +200,7 @@ Examples:
     "own retry gets that long to come first).",
 )
 @click.option("--once", is_flag=True, help="One pass, then exit (cron, tests).")
-@click.option(
-    "--batch-size",
-    default=completer.DEFAULT_BATCH_SIZE,
-    type=click.IntRange(min=1),
-    help="Records taken over per statement.",
-)
+@batch_size_option(completer.DEFAULT_BATCH_SIZE, "Records taken over per statement.")
 @click.option(
     "--interval",
     default=completer.DEFAULT_INTERVAL,
