@@ -113,10 +113,7 @@ def _run_config(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def gunicorn(ctx: Context) -> Gunicorn | None:
-    found: Gunicorn | None = ctx.once(
-        "gunicorn", lambda: read_gunicorn(ctx.options.gunicorn_config, os.environ)
-    )
-    return found
+    return ctx.once("gunicorn", lambda: read_gunicorn(ctx.options.gunicorn_config, os.environ))
 
 
 def pool(ctx: Context) -> Check:
