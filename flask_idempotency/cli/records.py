@@ -12,8 +12,10 @@ hidden prompt on a terminal), and so does a ``--header`` given by name alone.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +26,7 @@ from flask.cli import with_appcontext
 from .. import digests, keys
 from ..digests import record_key
 from ..keys import parse_key
+from ..state import AppState
 from ..store.base import RecordInfo
 from .output import echo_document, json_option
 from .prompts import confirm, yes_option
@@ -122,27 +125,42 @@ def _env_for(header: str) -> str | None:
     return AUTHORIZATION_ENV if header.lower() == "authorization" else None
 
 
-scope_option = click.option(
-    "--scope",
-    help="The scope exactly as the scope function returns it (e.g. user:42), for scopes "
-    "that cannot be computed from headers.",
-)
-authorization_option = click.option(
-    "--authorization",
-    "read_authorization",
-    is_flag=True,
-    help=f"Compute the scope with the app's IDEMPOTENCY_SCOPE_FUNC from the client's "
-    f"Authorization value, read from ${AUTHORIZATION_ENV}, else from standard input "
-    "(never from the command line, where ps and shell history would show it).",
-)
-header_option = click.option(
-    "--header",
-    "headers",
-    multiple=True,
-    metavar="'NAME: VALUE' | NAME",
-    help="A request header the app's scope function reads (repeatable). A NAME alone "
-    "reads its value from standard input: use that for any secret.",
-)
+def _record_command(command: Callable[..., None]) -> Callable[..., None]:
+    """KEY and the options naming its scope, for a command about one record: run in
+    the app context, ``command`` gets the app's state and the record's key in their
+    place (then its own options)."""
+
+    @click.argument("key")
+    @click.option(
+        "--scope",
+        help="The scope exactly as the scope function returns it (e.g. user:42), for scopes "
+        "that cannot be computed from headers.",
+    )
+    @click.option(
+        "--authorization",
+        "read_authorization",
+        is_flag=True,
+        help=f"Compute the scope with the app's IDEMPOTENCY_SCOPE_FUNC from the client's "
+        f"Authorization value, read from ${AUTHORIZATION_ENV}, else from standard input "
+        "(never from the command line, where ps and shell history would show it).",
+    )
+    @click.option(
+        "--header",
+        "headers",
+        multiple=True,
+        metavar="'NAME: VALUE' | NAME",
+        help="A request header the app's scope function reads (repeatable). A NAME alone "
+        "reads its value from standard input: use that for any secret.",
+    )
+    @with_appcontext
+    @functools.wraps(command)
+    def named(
+        key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...], **own: Any
+    ) -> None:
+        # The state first: under memory:// the command says so before judging the key.
+        command(command_state(), _record_key(key, scope, read_authorization, headers), **own)
+
+    return named
 
 
 def _lease_live(info: RecordInfo) -> float | None:
@@ -183,10 +201,7 @@ Examples:
   flask --app example_app idempotency show order-1 --scope user:42 --json | jq .state
 """
 )
-@click.argument("key")
-@scope_option
-@authorization_option
-@header_option
+@_record_command
 @click.option(
     "--body",
     "show_body",
@@ -196,23 +211,13 @@ Examples:
     "asked for; mind where the output goes.",
 )
 @json_option
-@with_appcontext
-def show(
-    key: str,
-    scope: str | None,
-    read_authorization: bool,
-    headers: tuple[str, ...],
-    show_body: bool,
-    as_json: bool,
-) -> None:
+def show(state: AppState, rkey: bytes, show_body: bool, as_json: bool) -> None:
     """Show one record: state, lease, ages, status code.
 
     KEY is the client's Idempotency-Key; the record is found in the scope the
     app's scope function computes from --authorization / --header, or in
     --scope. Exit 1 when there is no record. --body prints the stored answer.
     """
-    state = command_state()
-    rkey = _record_key(key, scope, read_authorization, headers)
     info = state.store.info(rkey)
     if info is None:
         raise click.ClickException("no record for that key and scope")
@@ -230,23 +235,15 @@ Examples:
   flask --app example_app idempotency unlock order-1 --scope user:42 --yes
 """
 )
-@click.argument("key")
-@scope_option
-@authorization_option
-@header_option
+@_record_command
 @yes_option
-@with_appcontext
-def unlock(
-    key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...], yes: bool
-) -> None:
+def unlock(state: AppState, rkey: bytes, yes: bool) -> None:
     """Release a stuck processing record so the next request with the key runs.
 
     A record whose lease has ended (its holder died) is released at once. One
     whose lease is still being renewed is in flight: the command says so and
     asks on a terminal; off a terminal it needs --yes (else exit 2).
     """
-    state = command_state()
-    rkey = _record_key(key, scope, read_authorization, headers)
     info = state.store.info(rkey)
     if info is None or info.state != "processing":
         raise click.ClickException("no processing record for that key and scope")
