@@ -21,7 +21,7 @@ from ...store.diagnostics import (
     SESSION_TIMEOUTS,
 )
 from ...store.schema import FIX
-from .base import FAIL, WARN, Check, Context, fail, ok, ping, seconds, warn, worst
+from .base import Check, Context, fail, ok, ping, seconds, warn, worst
 from .routes import leases
 
 #: Dead rows over this share of the records table: autovacuum is behind its churn.
@@ -149,11 +149,12 @@ def session_timeouts(ctx: Context) -> Check:
     renew_ms = ctx.state.settings.renew_interval * 1000
     found = {row[0]: (int(row[1]), row[2]) for row in ctx.store.read(SESSION_TIMEOUTS)}
     lease = f"the lease ({lease_ms / 1000:g} s)"
-    #: (setting, status, too short below this many ms, what then, a value that fixes it)
+    #: (setting, its finding (fail or warn), too short below this many ms, what then, a value
+    #: that fixes it)
     rules = (
         (
             "idle_in_transaction_session_timeout",
-            FAIL,
+            fail,
             lease_ms,
             f"is shorter than {lease}: a view waiting on its processor inside its "
             "transaction is disconnected, its work lost",
@@ -161,14 +162,14 @@ def session_timeouts(ctx: Context) -> Check:
         ),
         (
             "statement_timeout",
-            WARN,
+            warn,
             lease_ms,
             f"is shorter than {lease}: a view's statement is cancelled before its lease ends",
             lease_ms,
         ),
         (
             "idle_session_timeout",
-            WARN,
+            warn,
             math.floor(renew_ms) + 1,  # whole ms: not longer than the interval
             f"is not longer than the renewal interval ({renew_ms / 1000:g} s): the lease "
             "keeper's connection is closed between renewals",
@@ -176,15 +177,13 @@ def session_timeouts(ctx: Context) -> Check:
         ),
     )
     findings = []
-    for name, status, below, consequence, fixed_at in rules:
+    for name, finding, below, consequence, fixed_at in rules:
         value, source = found.get(name, (0, None))
         if 0 < value < below:
             where = f" (set by {source})" if source else ""
             alter = (source or "ALTER ROLE <the app's role>").split(",")[0]
             findings.append(
-                Check(
-                    "",
-                    status,
+                finding(
                     f"{name} {value / 1000:g} s{where} {consequence}",
                     f"{alter} SET {name} = '{fixed_at / 1000:g}s' (or RESET it)",
                 )
