@@ -22,9 +22,7 @@ from flask.cli import AppGroup
 from .. import completer
 from ..events import outbox
 from ..store.base import StoreUnavailableError
-from .doctor import diagnose
-from .doctor import document as diagnosis_document
-from .doctor import lines as diagnosis_lines
+from . import doctor as diagnosis  # the package; `doctor` below is its command
 from .doctor.base import DEFAULT_STALE_AFTER, Options
 from .output import echo_document, json_option
 from .progress import Progress, batch_size_option, interval_option
@@ -289,10 +287,10 @@ def doctor(
     and when the relay and the completer last ran. Exits 1 if a check fails.
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
-    checks = diagnose(
+    checks = diagnosis.diagnose(
         command_state(), app, Options(gunicorn_config, processor_timeout, stale_after)
     )
-    result = diagnosis_document(checks)
-    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(diagnosis_lines(checks)))
+    result = diagnosis.document(checks)
+    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(diagnosis.lines(checks)))
     if not result["ok"]:
         raise click.exceptions.Exit(1)

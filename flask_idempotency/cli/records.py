@@ -104,8 +104,7 @@ def _scope_from_headers(read_authorization: bool, headers: tuple[str, ...]) -> s
     state = command_state()
     scope_func = state.settings.scope_func
     name = getattr(scope_func, "__qualname__", repr(scope_func))
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    with app.test_request_context(headers=sent):
+    with current_app.test_request_context(headers=sent):
         try:
             return keys.resolve_scope(scope_func, request)
         except ScopeUnavailable:
