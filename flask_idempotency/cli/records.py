@@ -24,8 +24,7 @@ from flask import current_app, request
 from flask.cli import with_appcontext
 
 from .. import digests, keys
-from ..digests import record_key
-from ..keys import parse_key
+from ..settings import ScopeFunc
 from ..state import AppState
 from ..store.base import RecordInfo
 from .output import echo_document, json_option
@@ -52,23 +51,6 @@ def _secret(what: str, env: str | None) -> str:
     return value
 
 
-def _record_key(
-    key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...]
-) -> bytes:
-    from ..errors import InvalidKey
-
-    try:
-        parsed = parse_key(key)
-    except InvalidKey:
-        raise click.BadParameter("not a valid Idempotency-Key", param_hint="KEY") from None
-    assert parsed is not None
-    if scope is not None and (read_authorization or headers):
-        raise click.UsageError("give --scope, or --authorization/--header, not both")
-    if scope is None:
-        scope = _scope_from_headers(read_authorization, headers)
-    return record_key(scope, parsed)
-
-
 def _parse_header(raw: str) -> tuple[str, str | None]:
     """``Name: value``, or ``Name`` alone: its value (a secret) is read from stdin."""
     name, sep, value = raw.partition(":")
@@ -80,8 +62,11 @@ def _parse_header(raw: str) -> tuple[str, str | None]:
     return name, value.strip(" \t") if sep else None
 
 
-def _scope_from_headers(read_authorization: bool, headers: tuple[str, ...]) -> str:
-    """The scope the app's ``IDEMPOTENCY_SCOPE_FUNC`` gives a request with these headers.
+def _scope_from_headers(
+    scope_func: ScopeFunc, read_authorization: bool, headers: tuple[str, ...]
+) -> str:
+    """The scope ``scope_func`` (the app's ``IDEMPOTENCY_SCOPE_FUNC``) gives a request
+    with these headers.
 
     The request context is built from the headers alone: no route, no body and
     no ``before_request`` hooks. A scope that cannot be computed from headers
@@ -101,8 +86,6 @@ def _scope_from_headers(read_authorization: bool, headers: tuple[str, ...]) -> s
         (name, value if value is not None else _secret(f"{name} value", _env_for(name)))
         for name, value in parsed
     ]
-    state = command_state()
-    scope_func = state.settings.scope_func
     name = getattr(scope_func, "__qualname__", repr(scope_func))
     with current_app.test_request_context(headers=sent):
         try:
@@ -156,8 +139,19 @@ def _record_command(command: Callable[..., None]) -> Callable[..., None]:
     def named(
         key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...], **own: Any
     ) -> None:
-        # The state first: under memory:// the command says so before judging the key.
-        command(command_state(), _record_key(key, scope, read_authorization, headers), **own)
+        from ..errors import InvalidKey
+
+        state = command_state()  # first: under memory:// that is all there is to say
+        try:
+            parsed = keys.parse_key(key)
+        except InvalidKey:
+            raise click.BadParameter("not a valid Idempotency-Key", param_hint="KEY") from None
+        assert parsed is not None
+        if scope is not None and (read_authorization or headers):
+            raise click.UsageError("give --scope, or --authorization/--header, not both")
+        if scope is None:
+            scope = _scope_from_headers(state.settings.scope_func, read_authorization, headers)
+        command(state, digests.record_key(scope, parsed), **own)
 
     return named
 
