@@ -9,6 +9,7 @@ what a new session of this role in this database starts with, before any
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -98,11 +99,8 @@ def _ask_pgbouncer(ctx: Context, dbname: str) -> tuple[str, str | None] | None:
         conn = psycopg2.connect(
             settings.database_url, dbname="pgbouncer", connect_timeout=settings.connect_timeout
         )
-    except psycopg2.Error:
-        return None
-    try:
-        conn.autocommit = True
-        with conn.cursor() as cur:
+        with contextlib.closing(conn), conn.cursor() as cur:
+            conn.autocommit = True
             cur.execute("SHOW VERSION")
             version = str(cur.fetchone()[0])  # type: ignore[index]
             if "pgbouncer" not in version.lower():
@@ -116,10 +114,8 @@ def _ask_pgbouncer(ctx: Context, dbname: str) -> tuple[str, str | None] | None:
                     if row.get("key") == "pool_mode":
                         mode = str(row.get("value"))
             return version, mode
-    except psycopg2.Error:
+    except psycopg2.Error:  # no PgBouncer there, or the app's role may not ask it
         return None
-    finally:
-        conn.close()
 
 
 def _rows(cur: Any, sql: str) -> list[dict[str, Any]]:
