@@ -40,11 +40,10 @@ def _secret(what: str, env: str | None) -> str:
     prompt on a terminal, else its first line (``... | flask idempotency show``)."""
     if env is not None and os.environ.get(env):
         return os.environ[env]
-    stdin = sys.stdin
-    if stdin.isatty():
+    if sys.stdin.isatty():
         value: str = click.prompt(what, hide_input=True, err=True)
     else:
-        value = stdin.readline().rstrip("\r\n")
+        value = sys.stdin.readline().rstrip("\r\n")
     if not value:
         where = f"${env} or standard input" if env else "standard input"
         raise click.UsageError(f"no {what} on {where}")
@@ -170,12 +169,11 @@ def _lease_live(info: RecordInfo) -> float | None:
 
 
 def _record_fields(rkey: bytes, info: RecordInfo) -> dict[str, Any]:
-    lease_left = _lease_live(info)
     return {
         "record": digests.log_key(rkey),
         "state": info.state,
         "expired": info.expired,
-        "lease_live": lease_left is not None,
+        "lease_live": _lease_live(info) is not None,
         "age_seconds": round(info.age_seconds, 3),
         "created_at": info.created_at.isoformat(),
         "expires_at": info.expires_at.isoformat(),
@@ -252,8 +250,7 @@ def unlock(state: AppState, rkey: bytes, yes: bool) -> None:
             yes=yes,
             required_off_terminal=True,
         )
-    released = state.store.unlock(rkey)
-    if not released:
+    if not state.store.unlock(rkey):
         raise click.ClickException("no processing record for that key and scope")
     state.cache.evict([rkey])
     click.echo("released")
