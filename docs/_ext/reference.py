@@ -106,17 +106,13 @@ def click_text(text: str) -> list[str]:
 
 
 def _commands(ctx: click.Context) -> Iterator[click.Context]:
-    # Each context takes its command's context_settings, as click's make_context does
-    # (the group's show_default=True shows every option's default).
     yield ctx
     command = ctx.command
     if isinstance(command, click.Group):
         for name in command.list_commands(ctx):
             sub = command.get_command(ctx, name)
             if sub is not None and not sub.hidden:
-                yield from _commands(
-                    click.Context(sub, info_name=name, parent=ctx, **sub.context_settings)
-                )
+                yield from _commands(click.Context(sub, info_name=name, parent=ctx))
 
 
 def _option(record: tuple[str, str]) -> str:
@@ -133,9 +129,7 @@ def cli_markdown() -> str:
     from flask_idempotency.cli import group
 
     lines: list[str] = []
-    for ctx in _commands(
-        click.Context(group, info_name="flask idempotency", **group.context_settings)
-    ):
+    for ctx in _commands(click.Context(group, info_name="flask idempotency")):
         command = ctx.command
         nested = ctx.parent is not None
         if nested:

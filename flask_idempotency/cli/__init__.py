@@ -61,8 +61,6 @@ group = _Commands(
     help="Maintain the idempotency records: migrate, purge, inspect, unlock, recover, "
     "relay events.",
     epilog=GROUP_EPILOG,
-    # Every option that has a default shows it in --help (the subcommands inherit it).
-    context_settings={"show_default": True},
 )
 group.add_command(relay)
 group.add_command(show)
@@ -193,6 +191,7 @@ Examples:
 @click.option(
     "--older-than",
     default=completer.DEFAULT_OLDER_THAN,
+    show_default=True,
     type=click.FloatRange(min=0),
     help="Only records whose lease ended at least this many seconds ago (a client's "
     "own retry gets that long to come first).",
@@ -202,6 +201,7 @@ Examples:
 @click.option(
     "--interval",
     default=completer.DEFAULT_INTERVAL,
+    show_default=True,
     type=click.FloatRange(min=0.1),
     help="Seconds between passes when looping.",
 )
@@ -266,6 +266,7 @@ Examples:
     "--stale-after",
     type=click.FloatRange(min=0, min_open=True),
     default=DEFAULT_STALE_AFTER,
+    show_default=True,
     metavar="SECONDS",
     help="Warn when the relay or the completer (where needed) has not run for this long.",
 )

@@ -38,6 +38,7 @@ FC = TypeVar("FC", bound=Callable[..., Any])
 interval_option = click.option(
     "--progress-interval",
     default=DEFAULT_INTERVAL,
+    show_default=True,
     type=click.FloatRange(min=0),
     metavar="SECONDS",
     help="When standard error is not a terminal (cron, a log), print a progress line "
@@ -47,7 +48,9 @@ interval_option = click.option(
 
 def batch_size_option(default: int, what: str) -> Callable[[FC], FC]:
     """``--batch-size``, shared by the long commands; ``what``: what one batch is (its help)."""
-    return click.option("--batch-size", default=default, type=click.IntRange(min=1), help=what)
+    return click.option(
+        "--batch-size", default=default, show_default=True, type=click.IntRange(min=1), help=what
+    )
 
 
 class Progress(contextlib.ExitStack):

@@ -31,6 +31,7 @@ Examples:
 @click.option(
     "--poll-interval",
     default=DEFAULT_POLL_INTERVAL,
+    show_default=True,
     type=click.FloatRange(min=0.01),
     help="Seconds between looks at an empty outbox.",
 )
