@@ -105,26 +105,23 @@ def _ask_pgbouncer(ctx: Context, dbname: str) -> tuple[str, str | None] | None:
             version = str(cur.fetchone()[0])  # type: ignore[index]
             if "pgbouncer" not in version.lower():
                 return None
-            mode = None
-            for row in _rows(cur, "SHOW DATABASES"):
-                if row.get("name") == dbname and row.get("pool_mode"):
-                    mode = str(row["pool_mode"])
-            if mode is None:
-                for row in _rows(cur, "SHOW CONFIG"):
-                    if row.get("key") == "pool_mode":
-                        mode = str(row.get("value"))
-            return version, mode
+            # The database's own pool mode, else PgBouncer's default one.
+            mode = _column(cur, "SHOW DATABASES", "name", "pool_mode").get(dbname)
+            mode = mode or _column(cur, "SHOW CONFIG", "key", "value").get("pool_mode")
+            return version, None if mode is None else str(mode)
     except psycopg2.Error:  # no PgBouncer there, or the app's role may not ask it
         return None
 
 
-def _rows(cur: Any, sql: str) -> list[dict[str, Any]]:
+def _column(cur: Any, sql: str, key: str, value: str) -> dict[Any, Any]:
+    """``{key: value}`` over the rows ``sql`` answers, by column name; ``{}`` if it fails."""
     try:
         cur.execute(sql)
     except Exception:
-        return []
+        return {}
     names = [column.name for column in cur.description or ()]
-    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    return {row.get(key): row.get(value) for row in rows}
 
 
 # -- session timeouts --------------------------------------------------------------
