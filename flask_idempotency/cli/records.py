@@ -35,9 +35,12 @@ from .target import command_state
 AUTHORIZATION_ENV = "IDEMPOTENCY_CLIENT_AUTHORIZATION"
 
 
-def _secret(what: str, env: str | None) -> str:
-    """A client's secret from ``env`` (when set), else standard input: a hidden
-    prompt on a terminal, else its first line (``... | flask idempotency show``)."""
+def _secret(header: str) -> str:
+    """The value of ``header``, a client's secret: ``Authorization``'s from
+    :data:`AUTHORIZATION_ENV` (when set), else standard input: a hidden prompt on a
+    terminal, else its first line (``... | flask idempotency show``)."""
+    what = f"{header} value"
+    env = AUTHORIZATION_ENV if header.lower() == "authorization" else None
     if env is not None and os.environ.get(env):
         return os.environ[env]
     if sys.stdin.isatty():
@@ -81,10 +84,7 @@ def _scope_from_headers(
         parsed.append(("Authorization", None))
     if sum(value is None for _, value in parsed) > 1:
         raise click.UsageError("only one header value can be read from standard input")
-    sent = [
-        (name, value if value is not None else _secret(f"{name} value", _env_for(name)))
-        for name, value in parsed
-    ]
+    sent = [(name, value if value is not None else _secret(name)) for name, value in parsed]
     name = getattr(scope_func, "__qualname__", repr(scope_func))
     with current_app.test_request_context(headers=sent):
         try:
@@ -100,10 +100,6 @@ def _scope_from_headers(
                 f"the app's scope function ({name}) failed for these headers "
                 f"({type(exc).__name__}); give the scope itself with --scope"
             ) from exc
-
-
-def _env_for(header: str) -> str | None:
-    return AUTHORIZATION_ENV if header.lower() == "authorization" else None
 
 
 def _record_command(command: Callable[..., None]) -> Callable[..., None]:
