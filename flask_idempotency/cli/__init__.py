@@ -22,12 +22,10 @@ from flask.cli import AppGroup
 from .. import completer
 from ..events import outbox
 from ..store.base import StoreUnavailableError
-from .doctor import diagnose
-from .doctor import document as diagnosis_document
-from .doctor import lines as diagnosis_lines
+from . import doctor as diagnosis  # the package; `doctor` below is its command
 from .doctor.base import DEFAULT_STALE_AFTER, Options
 from .output import echo_document, json_option
-from .progress import Progress, interval_option
+from .progress import Progress, batch_size_option, interval_option
 from .prompts import confirm, yes_option
 from .records import show, unlock
 from .relay import relay
@@ -102,13 +100,7 @@ Examples:
 """
 )
 @click.option("--dry-run", is_flag=True, help="Only count the expired records and events.")
-@click.option(
-    "--batch-size",
-    default=1000,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Rows deleted per transaction.",
-)
+@batch_size_option(1000, "Rows deleted per transaction.")
 @yes_option
 @interval_option
 def purge(dry_run: bool, batch_size: int, yes: bool, progress_interval: float) -> None:
@@ -205,13 +197,7 @@ Examples:
     "own retry gets that long to come first).",
 )
 @click.option("--once", is_flag=True, help="One pass, then exit (cron, tests).")
-@click.option(
-    "--batch-size",
-    default=completer.DEFAULT_BATCH_SIZE,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Records taken over per statement.",
-)
+@batch_size_option(completer.DEFAULT_BATCH_SIZE, "Records taken over per statement.")
 @click.option(
     "--interval",
     default=completer.DEFAULT_INTERVAL,
@@ -266,14 +252,12 @@ Examples:
 @click.option(
     "--gunicorn-config",
     type=click.Path(exists=True, dir_okay=False),
-    default=None,
     help="gunicorn's configuration file, to check the pool against its threads (default: "
     "the one GUNICORN_CMD_ARGS names, else ./gunicorn.conf.py if there is one).",
 )
 @click.option(
     "--processor-timeout",
     type=click.FloatRange(min=0, min_open=True),
-    default=None,
     metavar="SECONDS",
     help="The longest a view waits on its downstream (say, the card processor's client "
     "timeout): checked against the leases and TTLs.",
@@ -304,10 +288,10 @@ def doctor(
     and when the relay and the completer last ran. Exits 1 if a check fails.
     """
     app = current_app._get_current_object()  # type: ignore[attr-defined]
-    checks = diagnose(
+    checks = diagnosis.diagnose(
         command_state(), app, Options(gunicorn_config, processor_timeout, stale_after)
     )
-    result = diagnosis_document(checks)
-    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(diagnosis_lines(checks)))
+    result = diagnosis.document(checks)
+    click.echo(json.dumps(result, indent=2) if as_json else "\n".join(diagnosis.lines(checks)))
     if not result["ok"]:
         raise click.exceptions.Exit(1)

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import click
 
@@ -30,6 +30,9 @@ import click
 #: every 10 s gives a log a heartbeat without flooding it (a purge of 10^7 rows
 #: logs a few dozen lines).
 DEFAULT_INTERVAL = 10.0
+
+#: What click.option decorates (a command function), as click types it.
+FC = TypeVar("FC", bound=Callable[..., Any])
 
 #: ``--progress-interval``, shared by the long commands.
 interval_option = click.option(
@@ -41,6 +44,13 @@ interval_option = click.option(
     help="When standard error is not a terminal (cron, a log), print a progress line "
     "this often; 0: after every batch.",
 )
+
+
+def batch_size_option(default: int, what: str) -> Callable[[FC], FC]:
+    """``--batch-size``, shared by the long commands; ``what``: what one batch is (its help)."""
+    return click.option(
+        "--batch-size", default=default, show_default=True, type=click.IntRange(min=1), help=what
+    )
 
 
 class Progress(contextlib.ExitStack):

@@ -12,8 +12,10 @@ hidden prompt on a terminal), and so does a ``--header`` given by name alone.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -22,8 +24,8 @@ from flask import current_app, request
 from flask.cli import with_appcontext
 
 from .. import digests, keys
-from ..digests import record_key
-from ..keys import parse_key
+from ..settings import ScopeFunc
+from ..state import AppState
 from ..store.base import RecordInfo
 from .output import echo_document, json_option
 from .prompts import confirm, yes_option
@@ -33,37 +35,22 @@ from .target import command_state
 AUTHORIZATION_ENV = "IDEMPOTENCY_CLIENT_AUTHORIZATION"
 
 
-def _secret(what: str, env: str | None) -> str:
-    """A client's secret from ``env`` (when set), else standard input: a hidden
-    prompt on a terminal, else its first line (``... | flask idempotency show``)."""
+def _secret(header: str) -> str:
+    """The value of ``header``, a client's secret: ``Authorization``'s from
+    :data:`AUTHORIZATION_ENV` (when set), else standard input: a hidden prompt on a
+    terminal, else its first line (``... | flask idempotency show``)."""
+    what = f"{header} value"
+    env = AUTHORIZATION_ENV if header.lower() == "authorization" else None
     if env is not None and os.environ.get(env):
         return os.environ[env]
-    stdin = sys.stdin
-    if stdin.isatty():
+    if sys.stdin.isatty():
         value: str = click.prompt(what, hide_input=True, err=True)
     else:
-        value = stdin.readline().rstrip("\r\n")
+        value = sys.stdin.readline().rstrip("\r\n")
     if not value:
         where = f"${env} or standard input" if env else "standard input"
         raise click.UsageError(f"no {what} on {where}")
     return value
-
-
-def _record_key(
-    key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...]
-) -> bytes:
-    from ..errors import InvalidKey
-
-    try:
-        parsed = parse_key(key)
-    except InvalidKey:
-        raise click.BadParameter("not a valid Idempotency-Key", param_hint="KEY") from None
-    assert parsed is not None
-    if scope is not None and (read_authorization or headers):
-        raise click.UsageError("give --scope, or --authorization/--header, not both")
-    if scope is None:
-        scope = _scope_from_headers(read_authorization, headers)
-    return record_key(scope, parsed)
 
 
 def _parse_header(raw: str) -> tuple[str, str | None]:
@@ -77,8 +64,11 @@ def _parse_header(raw: str) -> tuple[str, str | None]:
     return name, value.strip(" \t") if sep else None
 
 
-def _scope_from_headers(read_authorization: bool, headers: tuple[str, ...]) -> str:
-    """The scope the app's ``IDEMPOTENCY_SCOPE_FUNC`` gives a request with these headers.
+def _scope_from_headers(
+    scope_func: ScopeFunc, read_authorization: bool, headers: tuple[str, ...]
+) -> str:
+    """The scope ``scope_func`` (the app's ``IDEMPOTENCY_SCOPE_FUNC``) gives a request
+    with these headers.
 
     The request context is built from the headers alone: no route, no body and
     no ``before_request`` hooks. A scope that cannot be computed from headers
@@ -94,15 +84,9 @@ def _scope_from_headers(read_authorization: bool, headers: tuple[str, ...]) -> s
         parsed.append(("Authorization", None))
     if sum(value is None for _, value in parsed) > 1:
         raise click.UsageError("only one header value can be read from standard input")
-    sent = [
-        (name, value if value is not None else _secret(f"{name} value", _env_for(name)))
-        for name, value in parsed
-    ]
-    state = command_state()
-    scope_func = state.settings.scope_func
+    sent = [(name, value if value is not None else _secret(name)) for name, value in parsed]
     name = getattr(scope_func, "__qualname__", repr(scope_func))
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    with app.test_request_context(headers=sent):
+    with current_app.test_request_context(headers=sent):
         try:
             return keys.resolve_scope(scope_func, request)
         except ScopeUnavailable:
@@ -118,32 +102,53 @@ def _scope_from_headers(read_authorization: bool, headers: tuple[str, ...]) -> s
             ) from exc
 
 
-def _env_for(header: str) -> str | None:
-    return AUTHORIZATION_ENV if header.lower() == "authorization" else None
+def _record_command(command: Callable[..., None]) -> Callable[..., None]:
+    """KEY and the options naming its scope, for a command about one record: run in
+    the app context, ``command`` gets the app's state and the record's key in their
+    place (then its own options)."""
 
+    @click.argument("key")
+    @click.option(
+        "--scope",
+        help="The scope exactly as the scope function returns it (e.g. user:42), for scopes "
+        "that cannot be computed from headers.",
+    )
+    @click.option(
+        "--authorization",
+        "read_authorization",
+        is_flag=True,
+        help=f"Compute the scope with the app's IDEMPOTENCY_SCOPE_FUNC from the client's "
+        f"Authorization value, read from ${AUTHORIZATION_ENV}, else from standard input "
+        "(never from the command line, where ps and shell history would show it).",
+    )
+    @click.option(
+        "--header",
+        "headers",
+        multiple=True,
+        metavar="'NAME: VALUE' | NAME",
+        help="A request header the app's scope function reads (repeatable). A NAME alone "
+        "reads its value from standard input: use that for any secret.",
+    )
+    @with_appcontext
+    @functools.wraps(command)
+    def named(
+        key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...], **own: Any
+    ) -> None:
+        from ..errors import InvalidKey
 
-scope_option = click.option(
-    "--scope",
-    default=None,
-    help="The scope exactly as the scope function returns it (e.g. user:42), for scopes "
-    "that cannot be computed from headers.",
-)
-authorization_option = click.option(
-    "--authorization",
-    "read_authorization",
-    is_flag=True,
-    help=f"Compute the scope with the app's IDEMPOTENCY_SCOPE_FUNC from the client's "
-    f"Authorization value, read from ${AUTHORIZATION_ENV}, else from standard input "
-    "(never from the command line, where ps and shell history would show it).",
-)
-header_option = click.option(
-    "--header",
-    "headers",
-    multiple=True,
-    metavar="'NAME: VALUE' | NAME",
-    help="A request header the app's scope function reads (repeatable). A NAME alone "
-    "reads its value from standard input: use that for any secret.",
-)
+        state = command_state()  # first: under memory:// that is all there is to say
+        try:
+            parsed = keys.parse_key(key)
+        except InvalidKey:
+            raise click.BadParameter("not a valid Idempotency-Key", param_hint="KEY") from None
+        assert parsed is not None
+        if scope is not None and (read_authorization or headers):
+            raise click.UsageError("give --scope, or --authorization/--header, not both")
+        if scope is None:
+            scope = _scope_from_headers(state.settings.scope_func, read_authorization, headers)
+        command(state, digests.record_key(scope, parsed), **own)
+
+    return named
 
 
 def _lease_live(info: RecordInfo) -> float | None:
@@ -160,12 +165,11 @@ def _lease_live(info: RecordInfo) -> float | None:
 
 
 def _record_fields(rkey: bytes, info: RecordInfo) -> dict[str, Any]:
-    lease_left = _lease_live(info)
     return {
         "record": digests.log_key(rkey),
         "state": info.state,
         "expired": info.expired,
-        "lease_live": lease_left is not None,
+        "lease_live": _lease_live(info) is not None,
         "age_seconds": round(info.age_seconds, 3),
         "created_at": info.created_at.isoformat(),
         "expires_at": info.expires_at.isoformat(),
@@ -184,10 +188,7 @@ Examples:
   flask --app example_app idempotency show order-1 --scope user:42 --json | jq .state
 """
 )
-@click.argument("key")
-@scope_option
-@authorization_option
-@header_option
+@_record_command
 @click.option(
     "--body",
     "show_body",
@@ -197,23 +198,13 @@ Examples:
     "asked for; mind where the output goes.",
 )
 @json_option
-@with_appcontext
-def show(
-    key: str,
-    scope: str | None,
-    read_authorization: bool,
-    headers: tuple[str, ...],
-    show_body: bool,
-    as_json: bool,
-) -> None:
+def show(state: AppState, rkey: bytes, show_body: bool, as_json: bool) -> None:
     """Show one record: state, lease, ages, status code.
 
     KEY is the client's Idempotency-Key; the record is found in the scope the
     app's scope function computes from --authorization / --header, or in
     --scope. Exit 1 when there is no record. --body prints the stored answer.
     """
-    state = command_state()
-    rkey = _record_key(key, scope, read_authorization, headers)
     info = state.store.info(rkey)
     if info is None:
         raise click.ClickException("no record for that key and scope")
@@ -231,23 +222,15 @@ Examples:
   flask --app example_app idempotency unlock order-1 --scope user:42 --yes
 """
 )
-@click.argument("key")
-@scope_option
-@authorization_option
-@header_option
+@_record_command
 @yes_option
-@with_appcontext
-def unlock(
-    key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...], yes: bool
-) -> None:
+def unlock(state: AppState, rkey: bytes, yes: bool) -> None:
     """Release a stuck processing record so the next request with the key runs.
 
     A record whose lease has ended (its holder died) is released at once. One
     whose lease is still being renewed is in flight: the command says so and
     asks on a terminal; off a terminal it needs --yes (else exit 2).
     """
-    state = command_state()
-    rkey = _record_key(key, scope, read_authorization, headers)
     info = state.store.info(rkey)
     if info is None or info.state != "processing":
         raise click.ClickException("no processing record for that key and scope")
@@ -263,8 +246,7 @@ def unlock(
             yes=yes,
             required_off_terminal=True,
         )
-    released = state.store.unlock(rkey)
-    if not released:
+    if not state.store.unlock(rkey):
         raise click.ClickException("no processing record for that key and scope")
     state.cache.evict([rkey])
     click.echo("released")

@@ -8,7 +8,7 @@ from flask.cli import with_appcontext
 from ..events import outbox
 from ..events.relay import DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, BrokerUnavailable, Relay
 from ..store.base import StoreUnavailableError
-from .progress import Progress, interval_option
+from .progress import Progress, batch_size_option, interval_option
 from .stop import exit_interrupted, stop_on_signals
 from .target import command_state
 
@@ -23,21 +23,11 @@ Examples:
 )
 @with_appcontext
 @click.option("--once", is_flag=True, help="Publish what is pending, then exit (cron, tests).")
+@click.option("--broker-url", help="Broker URL; default: the app's IDEMPOTENCY_BROKER_URL.")
 @click.option(
-    "--broker-url", default=None, help="Broker URL; default: the app's IDEMPOTENCY_BROKER_URL."
+    "--exchange", help='Exchange; default: the app\'s IDEMPOTENCY_BROKER_OPTIONS["exchange"].'
 )
-@click.option(
-    "--exchange",
-    default=None,
-    help='Exchange; default: the app\'s IDEMPOTENCY_BROKER_OPTIONS["exchange"].',
-)
-@click.option(
-    "--batch-size",
-    default=DEFAULT_BATCH_SIZE,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Events per transaction.",
-)
+@batch_size_option(DEFAULT_BATCH_SIZE, "Events per transaction.")
 @click.option(
     "--poll-interval",
     default=DEFAULT_POLL_INTERVAL,

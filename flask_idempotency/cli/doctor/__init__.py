@@ -73,8 +73,7 @@ def diagnose(state: AppState, app: Flask, options: Options | None = None) -> lis
     try:
         for name, check, needs in CHECKS:
             if needs is None or (needs in done and done[needs].status == OK):
-                result = run(name, check, ctx)
-                if result is not None:
+                if (result := run(name, check, ctx)) is not None:
                     done[name] = result
         return list(done.values())
     finally:
@@ -88,10 +87,8 @@ def run(name: str, check: CheckFunc, ctx: Context) -> Check | None:
         result = check(ctx)
     except Exception as exc:
         result = _failed(exc)
-    if result is None:
-        return None
     ms = round((time.monotonic() - started) * 1000, 1)
-    return dataclasses.replace(result, name=name, ms=ms)
+    return None if result is None else dataclasses.replace(result, name=name, ms=ms)
 
 
 def _failed(exc: Exception) -> Check:

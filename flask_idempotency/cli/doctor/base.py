@@ -1,7 +1,7 @@
 """What every check of ``flask idempotency doctor`` shares: its result, its inputs.
 
 A check is a function of a :class:`Context` that returns its finding, made with
-:func:`ok`, :func:`warn` or :func:`fail` (or ``None``: nothing to say). The
+:data:`ok`, :data:`warn` or :data:`fail` (or ``None``: nothing to say). The
 runner (``__init__.py``) names it after its row of the table of checks, times
 it, and turns whatever one raises into a ``fail`` line of its own, so a check
 that breaks never hides the others.
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from flask import Flask
 
@@ -27,6 +28,8 @@ SEVERITY = {OK: 0, WARN: 1, FAIL: 2}
 #: the relay loops every half second and the completer every 10 s, each reporting
 #: at most every 30 s; a cron line running them every few minutes stays inside it.
 DEFAULT_STALE_AFTER = 600.0
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +75,17 @@ class Context:
         ``cli.target.command_state`` answers for it)."""
         return self.state.postgres_store("flask idempotency doctor")
 
-    def once(self, name: str, compute: Callable[[], Any]) -> Any:
+    def once(self, name: str, compute: Callable[[], T]) -> T:
         """``compute()``'s value (or exception), computed once for every check."""
         if name not in self._cache:
             try:
                 self._cache[name] = (True, compute())
             except Exception as exc:
                 self._cache[name] = (False, exc)
-        ok, value = self._cache[name]
-        if not ok:
+        computed, value = self._cache[name]
+        if not computed:
             raise value
-        return value
+        return cast(T, value)
 
     def close(self) -> None:
         for close in self.closers:
@@ -91,17 +94,11 @@ class Context:
                 close()
 
 
-def ok(detail: str) -> Check:
-    """A finding; the runner gives it the check's name."""
-    return Check("", OK, detail)
-
-
-def warn(detail: str, fix: str | None = None) -> Check:
-    return Check("", WARN, detail, fix)
-
-
-def fail(detail: str, fix: str | None = None) -> Check:
-    return Check("", FAIL, detail, fix)
+#: A finding at each status: ``ok(detail)``, ``warn(detail, fix)``, ``fail(detail, fix)``;
+#: the runner gives it the check's name.
+ok = functools.partial(Check, "", OK)
+warn = functools.partial(Check, "", WARN)
+fail = functools.partial(Check, "", FAIL)
 
 
 def worst(findings: list[Check], otherwise: Check) -> Check:

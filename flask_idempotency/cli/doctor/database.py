@@ -9,6 +9,7 @@ what a new session of this role in this database starts with, before any
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -21,7 +22,7 @@ from ...store.diagnostics import (
     SESSION_TIMEOUTS,
 )
 from ...store.schema import FIX
-from .base import FAIL, WARN, Check, Context, fail, ok, ping, seconds, warn, worst
+from .base import Check, Context, fail, ok, ping, seconds, warn, worst
 from .routes import leases
 
 #: Dead rows over this share of the records table: autovacuum is behind its churn.
@@ -98,37 +99,29 @@ def _ask_pgbouncer(ctx: Context, dbname: str) -> tuple[str, str | None] | None:
         conn = psycopg2.connect(
             settings.database_url, dbname="pgbouncer", connect_timeout=settings.connect_timeout
         )
-    except psycopg2.Error:
-        return None
-    try:
-        conn.autocommit = True
-        with conn.cursor() as cur:
+        with contextlib.closing(conn), conn.cursor() as cur:
+            conn.autocommit = True
             cur.execute("SHOW VERSION")
             version = str(cur.fetchone()[0])  # type: ignore[index]
             if "pgbouncer" not in version.lower():
                 return None
-            mode = None
-            for row in _rows(cur, "SHOW DATABASES"):
-                if row.get("name") == dbname and row.get("pool_mode"):
-                    mode = str(row["pool_mode"])
-            if mode is None:
-                for row in _rows(cur, "SHOW CONFIG"):
-                    if row.get("key") == "pool_mode":
-                        mode = str(row.get("value"))
-            return version, mode
-    except psycopg2.Error:
+            # The database's own pool mode, else PgBouncer's default one.
+            mode = _column(cur, "SHOW DATABASES", "name", "pool_mode").get(dbname)
+            mode = mode or _column(cur, "SHOW CONFIG", "key", "value").get("pool_mode")
+            return version, None if mode is None else str(mode)
+    except psycopg2.Error:  # no PgBouncer there, or the app's role may not ask it
         return None
-    finally:
-        conn.close()
 
 
-def _rows(cur: Any, sql: str) -> list[dict[str, Any]]:
+def _column(cur: Any, sql: str, key: str, value: str) -> dict[Any, Any]:
+    """``{key: value}`` over the rows ``sql`` answers, by column name; ``{}`` if it fails."""
     try:
         cur.execute(sql)
     except Exception:
-        return []
+        return {}
     names = [column.name for column in cur.description or ()]
-    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    return {row.get(key): row.get(value) for row in rows}
 
 
 # -- session timeouts --------------------------------------------------------------
@@ -149,11 +142,12 @@ def session_timeouts(ctx: Context) -> Check:
     renew_ms = ctx.state.settings.renew_interval * 1000
     found = {row[0]: (int(row[1]), row[2]) for row in ctx.store.read(SESSION_TIMEOUTS)}
     lease = f"the lease ({lease_ms / 1000:g} s)"
-    #: (setting, status, too short below this many ms, what then, a value that fixes it)
+    #: (setting, its finding (fail or warn), too short below this many ms, what then, a value
+    #: that fixes it)
     rules = (
         (
             "idle_in_transaction_session_timeout",
-            FAIL,
+            fail,
             lease_ms,
             f"is shorter than {lease}: a view waiting on its processor inside its "
             "transaction is disconnected, its work lost",
@@ -161,14 +155,14 @@ def session_timeouts(ctx: Context) -> Check:
         ),
         (
             "statement_timeout",
-            WARN,
+            warn,
             lease_ms,
             f"is shorter than {lease}: a view's statement is cancelled before its lease ends",
             lease_ms,
         ),
         (
             "idle_session_timeout",
-            WARN,
+            warn,
             math.floor(renew_ms) + 1,  # whole ms: not longer than the interval
             f"is not longer than the renewal interval ({renew_ms / 1000:g} s): the lease "
             "keeper's connection is closed between renewals",
@@ -176,15 +170,13 @@ def session_timeouts(ctx: Context) -> Check:
         ),
     )
     findings = []
-    for name, status, below, consequence, fixed_at in rules:
+    for name, finding, below, consequence, fixed_at in rules:
         value, source = found.get(name, (0, None))
         if 0 < value < below:
             where = f" (set by {source})" if source else ""
             alter = (source or "ALTER ROLE <the app's role>").split(",")[0]
             findings.append(
-                Check(
-                    "",
-                    status,
+                finding(
                     f"{name} {value / 1000:g} s{where} {consequence}",
                     f"{alter} SET {name} = '{fixed_at / 1000:g}s' (or RESET it)",
                 )

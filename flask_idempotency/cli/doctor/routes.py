@@ -42,8 +42,7 @@ def idempotent_routes(ctx: Context) -> list[Route]:
             found.append(Route(label, path, methods[0], options))
         return found
 
-    routes: list[Route] = ctx.once("routes", find)
-    return routes
+    return ctx.once("routes", find)
 
 
 def leases(ctx: Context) -> list[float]:
@@ -123,11 +122,14 @@ def scope(ctx: Context) -> Check:
     pooled_global: list[str] = []
     pooled: list[str] = []
     unknown: list[str] = []
+    on_authorization: list[str] = []
     routes = idempotent_routes(ctx)
     # No decorated route yet (blueprints registered later?): judge the app's setting.
     candidates = routes or [Route("IDEMPOTENCY_SCOPE_FUNC", "/", "POST", _APP_WIDE)]
     for route in candidates:
         func = route.options.scope_func or settings.scope_func
+        if func in (default_scope, authorization_scope):
+            on_authorization.append(route.label)
         outcome = _anonymous_scope(ctx, route, func)
         if outcome is _UNKNOWN:
             unknown.append(route.label)
@@ -147,11 +149,6 @@ def scope(ctx: Context) -> Check:
             "set IDEMPOTENCY_SCOPE_FUNC to one naming your principals (user_scope(...)) "
             "unless one client calls this app",
         )
-    on_authorization = [
-        route.label
-        for route in candidates
-        if (route.options.scope_func or settings.scope_func) in (default_scope, authorization_scope)
-    ]
     sessions = _browser_sessions(ctx.app)
     if on_authorization and sessions:
         return warn(

@@ -57,7 +57,8 @@ class Gunicorn:
 def read_gunicorn(path: str | None, environ: Mapping[str, str]) -> Gunicorn | None:
     """gunicorn's settings, or ``None`` when nothing says the app runs under it."""
     env_args = environ.get("GUNICORN_CMD_ARGS", "")
-    if path is None and not env_args and not Path(DEFAULT_CONFIG).is_file():
+    default = DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None
+    if path is None and not env_args and default is None:
         return None
     from gunicorn.config import Config  # only now: gunicorn is the app's, not ours
 
@@ -66,9 +67,7 @@ def read_gunicorn(path: str | None, environ: Mapping[str, str]) -> Gunicorn | No
         parsed = vars(cfg.parser().parse_args(shlex.split(env_args)))
     except SystemExit:  # argparse's way of saying "bad option": gunicorn would not start
         raise ValueError(f"GUNICORN_CMD_ARGS is not valid for gunicorn: {env_args!r}") from None
-    path = (
-        path or parsed.get("config") or (DEFAULT_CONFIG if Path(DEFAULT_CONFIG).is_file() else None)
-    )
+    path = path or parsed.get("config") or default
     sources = []
     hooks: dict[str, str] = {}
     after = dict(environ)
@@ -113,10 +112,7 @@ def _run_config(path: str) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def gunicorn(ctx: Context) -> Gunicorn | None:
-    found: Gunicorn | None = ctx.once(
-        "gunicorn", lambda: read_gunicorn(ctx.options.gunicorn_config, os.environ)
-    )
-    return found
+    return ctx.once("gunicorn", lambda: read_gunicorn(ctx.options.gunicorn_config, os.environ))
 
 
 def pool(ctx: Context) -> Check:
