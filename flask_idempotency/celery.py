@@ -65,13 +65,12 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from flask import Flask, current_app, has_app_context
+from flask import Flask, has_app_context
 
 from .events.amqp import DEFAULT_TIMEOUT, Publisher
 from .events.consumer import ConsumerGuard
 from .events.messages import ConsumerOutcome, Delivery, Result, consumer_options
 from .events.outbox import OutboxEvent
-from .events.relay import BrokerUnavailable
 from .store.base import StoredResponse
 
 try:
@@ -246,7 +245,13 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
             body={"task": self.name, "arguments": self._arguments(args, kwargs)},
         )
-        result = self.idempotency_guard.handle(delivery, app=self._flask_app())
+        if self.flask_app is None and not has_app_context():
+            raise RuntimeError(
+                f"task {self.name}: no Flask app for its idempotency records; set flask_app= "
+                "on the task (or its base), or run tasks in an app context"
+            )
+        # ``app=None``: the guard takes the current app.
+        result = self.idempotency_guard.handle(delivery, app=self.flask_app)
         return self._outcome(result, request, args, kwargs)
 
     def _run_delivery(self, delivery: Delivery) -> Any:
@@ -286,17 +291,6 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         except TypeError:
             return None
         return bound.arguments.get(spec)
-
-    def _flask_app(self) -> Flask:
-        if self.flask_app is not None:
-            return self.flask_app
-        if has_app_context():
-            app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
-            return app
-        raise RuntimeError(
-            f"task {self.name}: no Flask app for its idempotency records; set flask_app= "
-            "on the task (or its base), or run tasks in an app context"
-        )
 
     def _outcome(
         self, result: Result, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -377,24 +371,18 @@ class TaskPublisher(Publisher):
         return self.celery_app.amqp.Producer(conn.default_channel)
 
     def publish(self, event: OutboxEvent) -> bool:
-        task_name = self.routes.get(event.type)
-        if task_name is None:
-            return False
-        producer = self.producer()
-        try:
-            self.celery_app.send_task(
-                task_name,
-                args=[json.loads(event.envelope())],
-                task_id=event.id,
-                headers={KEY_HEADER: event.id},
-                producer=producer,
-                retry=False,  # the relay retries, with its own backoff
-                add_to_parent=False,
-            )
-        except Exception as exc:
-            self.close()
-            raise BrokerUnavailable(f"publish failed: {type(exc).__name__}: {exc}") from exc
-        return True
+        return event.type in self.routes and super().publish(event)
+
+    def send(self, producer: Any, event: OutboxEvent) -> None:
+        self.celery_app.send_task(
+            self.routes[event.type],
+            args=[json.loads(event.envelope())],
+            task_id=event.id,
+            headers={KEY_HEADER: event.id},
+            producer=producer,
+            retry=False,  # the relay retries, with its own backoff
+            add_to_parent=False,
+        )
 
 
 #: What an application uses; ``KEY_HEADER`` (the header a task's key travels in)

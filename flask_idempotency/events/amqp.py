@@ -82,7 +82,7 @@ class Publisher:
     bound to its type yet: the relay keeps the row and tries again later), and
     raises :class:`~.relay.BrokerUnavailable` when the broker is away or refused it.
     A publisher of another kind of message (``celery.TaskPublisher``) overrides
-    :meth:`make_producer` and ``publish``, and keeps the connection handling.
+    :meth:`make_producer` and :meth:`send`, and keeps the connection handling.
     """
 
     def __init__(self, url: str, exchange_name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -122,20 +122,7 @@ class Publisher:
     def publish(self, event: OutboxEvent) -> bool:
         producer = self.producer()
         try:
-            producer.publish(
-                event.envelope(),
-                routing_key=event.type,
-                content_type="application/json",
-                content_encoding="utf-8",
-                message_id=event.id,
-                type=event.type,
-                timestamp=event.created,
-                delivery_mode=2,
-                mandatory=True,
-                headers={"x-idempotency-derived-key": event.derived_key or ""},
-                timeout=self.timeout,
-                confirm_timeout=self.timeout,
-            )
+            self.send(producer, event)
         except Exception as exc:
             self.close()
             raise BrokerUnavailable(f"publish failed: {type(exc).__name__}: {exc}") from exc
@@ -143,6 +130,25 @@ class Publisher:
             self._returned.discard(event.id)
             return False
         return True
+
+    def send(self, producer: Any, event: OutboxEvent) -> None:
+        """Publish ``event`` with ``producer`` and wait for its confirm; whatever this
+        raises is the broker's failure (:meth:`publish` closes the connection and
+        raises :class:`~.relay.BrokerUnavailable`)."""
+        producer.publish(
+            event.envelope(),
+            routing_key=event.type,
+            content_type="application/json",
+            content_encoding="utf-8",
+            message_id=event.id,
+            type=event.type,
+            timestamp=event.created,
+            delivery_mode=2,
+            mandatory=True,
+            headers={"x-idempotency-derived-key": event.derived_key or ""},
+            timeout=self.timeout,
+            confirm_timeout=self.timeout,
+        )
 
     def close(self) -> None:
         conn, self._conn, self._producer = self._conn, None, None
