@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
@@ -269,8 +270,8 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
             consumers.append(
                 consumer(
                     queues=[queue],
-                    callbacks=[self._callback(sub)],
-                    on_decode_error=self._decode_error(sub),
+                    callbacks=[functools.partial(self._on_message, sub)],
+                    on_decode_error=functools.partial(self._on_decode_error, sub),
                     accept=["json"],
                     prefetch_count=self.prefetch,
                 )
@@ -292,53 +293,39 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
 
     # -- deliveries ----------------------------------------------------------------
 
-    def _callback(self, sub: Subscription) -> Callable[[Any, Any], None]:
-        def on_message(body: Any, message: Any) -> None:
-            properties = message.properties or {}
-            delivery = Delivery.from_body(
-                body,
-                message_id=properties.get("message_id"),
-                type=properties.get("type"),
-                headers=message.headers or {},
-                redelivered=bool(message.delivery_info.get("redelivered")),
-            )
-
-            def dead_letter(delivery: Delivery, result: Result, error: str) -> None:
-                self._dead_letter(sub, message, result, error)
-
-            result = sub.guard.handle(delivery, app=self.app, dead_letter=dead_letter)
-            self.counts[result.outcome.value] += 1
-            if result.outcome.acknowledge:
-                message.ack()
-            else:
-                due = time.monotonic() + result.delay
-                heapq.heappush(self._delayed, (due, next(self._seq), message))
-
-        return on_message
-
-    def _decode_error(self, sub: Subscription) -> Callable[[Any, Exception], None]:
-        def on_decode_error(message: Any, exc: Exception) -> None:
-            log.error("consumer %s: undecodable message: %s", sub.queue, type(exc).__name__)
-            result = Result(ConsumerOutcome.DEAD_LETTERED, reason="undecodable")
-            self._dead_letter(sub, message, result, f"{type(exc).__name__}"[:500])
-            self.counts[ConsumerOutcome.DEAD_LETTERED.value] += 1
-            message.ack()
-
-        return on_decode_error
-
-    def _dead_letter(self, sub: Subscription, message: Any, result: Result, error: str) -> None:
-        """Copy ``message`` to ``sub``'s dead-letter queue and wait for the confirm
-        (reconnecting once if that connection was lost since its last use)."""
+    def _on_message(self, sub: Subscription, body: Any, message: Any) -> None:
         properties = message.properties or {}
-        headers = dict(message.headers or {})
-        headers.update(
-            {
-                "x-idempotency-dead-letter-reason": result.reason or "",
-                "x-idempotency-attempts": result.attempts,
-                "x-idempotency-error": error,
-                "x-idempotency-queue": sub.queue,
-            }
+        delivery = Delivery.from_body(
+            body,
+            message_id=properties.get("message_id"),
+            type=properties.get("type"),
+            headers=message.headers or {},
+            redelivered=bool(message.delivery_info.get("redelivered")),
         )
+        dead_letter = functools.partial(self._dead_letter, sub, message)
+        result = sub.guard.handle(delivery, app=self.app, dead_letter=dead_letter)
+        self.counts[result.outcome.value] += 1
+        if result.outcome.acknowledge:
+            message.ack()
+        else:
+            due = time.monotonic() + result.delay
+            heapq.heappush(self._delayed, (due, next(self._seq), message))
+
+    def _on_decode_error(self, sub: Subscription, message: Any, exc: Exception) -> None:
+        log.error("consumer %s: undecodable message: %s", sub.queue, type(exc).__name__)
+        result = Result(ConsumerOutcome.DEAD_LETTERED, reason="undecodable")
+        self._dead_letter(sub, message, None, result, f"{type(exc).__name__}"[:500])
+        self.counts[ConsumerOutcome.DEAD_LETTERED.value] += 1
+        message.ack()
+
+    def _dead_letter(
+        self, sub: Subscription, message: Any, delivery: Delivery | None, result: Result, error: str
+    ) -> None:
+        """Copy ``message`` to ``sub``'s dead-letter queue and wait for the confirm
+        (reconnecting once if that connection was lost since its last use). The
+        copy is the message as received: ``delivery`` (none when it could not be
+        decoded) is not needed."""
+        properties = message.properties or {}
         self._dead_letters.publish(
             message.body,
             exchange="",
@@ -347,7 +334,13 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
             content_encoding=message.content_encoding,
             message_id=properties.get("message_id"),
             type=properties.get("type"),
-            headers=headers,
+            headers={
+                **(message.headers or {}),
+                "x-idempotency-dead-letter-reason": result.reason or "",
+                "x-idempotency-attempts": result.attempts,
+                "x-idempotency-error": error,
+                "x-idempotency-queue": sub.queue,
+            },
             delivery_mode=2,
             timeout=self.timeout,
             confirm_timeout=self.timeout,
