@@ -164,9 +164,7 @@ class _TaskGuard(ConsumerGuard):
         ``autoretry_for`` or ``self.retry()``) or ``Reject(requeue=True)``. A final
         failure releases the record, so its attempts are not counted as lost when
         the same key runs again after a fix."""
-        if isinstance(exc, Retry):
-            return False
-        return not (isinstance(exc, Reject) and exc.requeue)
+        return not isinstance(exc, Retry) and not (isinstance(exc, Reject) and exc.requeue)
 
 
 class IdempotentTask(celery.Task):  # type: ignore[misc]

@@ -120,12 +120,9 @@ class OutboxEvent:
     def envelope(self) -> bytes:
         """The message body: ``{"id", "type", "created", "derived_key", "data"}``,
         byte for byte the same on every publish of the row."""
-        head = json.dumps(
-            {"id": self.id, "type": self.type, "created": self.created},
-            separators=(",", ":"),
-        )
-        derived = json.dumps(self.derived_key)
-        return f'{head[:-1]},"derived_key":{derived},"data":{self.payload_json}}}'.encode()
+        head = dict(id=self.id, type=self.type, created=self.created, derived_key=self.derived_key)
+        text = json.dumps(head, separators=(",", ":"))  # ``data`` goes in as PostgreSQL wrote it
+        return f'{text[:-1]},"data":{self.payload_json}}}'.encode()
 
 
 def event_id(record_key: bytes | None, token: int | None, ordinal: int) -> str:
@@ -171,14 +168,11 @@ class EmitScope:
         # then raises and is released), never at commit or in the relay.
         body = json.dumps(payload, separators=(",", ":"), allow_nan=False)
         eid = event_id(self.record_key, self.token, self.emitted)
-        derived = (
-            digests.derived_key(self.record_key, DERIVED_KEY_PURPOSE)
-            if self.record_key is not None
-            else None
-        )
+        key = self.record_key
+        derived = None if key is None else digests.derived_key(key, DERIVED_KEY_PURPOSE)
         keep = positive_seconds("an event's ttl", ttl) or self.default_ttl
         with conn.cursor() as cur:
-            cur.execute(INSERT_EVENT, (eid, self.record_key, derived, event_type, body, keep))
+            cur.execute(INSERT_EVENT, (eid, key, derived, event_type, body, keep))
         self.emitted += 1
         return eid
 
