@@ -255,17 +255,16 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
     def _run_delivery(self, delivery: Delivery) -> Any:
         return self.run(*delivery.payload["args"], **delivery.payload["kwargs"])
 
-    def _task_function(self) -> Callable[..., Any]:
+    def _run_signature(self) -> inspect.Signature:
         # Under autoretry_for, run is a wrapper and _orig_run the task function.
-        run: Callable[..., Any] = getattr(self, "_orig_run", None) or self.run
-        return run
+        return inspect.signature(getattr(self, "_orig_run", None) or self.run)
 
     def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What "the same call" means (the fingerprint): the arguments by name, with
         defaults filled in, so ``f(1)`` and ``f(x=1)`` are one call; as given when
         they do not fit the signature (the task will say so when it runs)."""
         try:
-            bound = inspect.signature(self._task_function()).bind(*args, **kwargs)
+            bound = self._run_signature().bind(*args, **kwargs)
         except (TypeError, ValueError):
             return {"args": list(args), "kwargs": kwargs}
         bound.apply_defaults()
@@ -285,7 +284,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         if spec in kwargs:
             return kwargs[spec]
         try:
-            bound = inspect.signature(self._task_function()).bind_partial(*args, **kwargs)
+            bound = self._run_signature().bind_partial(*args, **kwargs)
         except TypeError:
             return None
         return bound.arguments.get(spec)
