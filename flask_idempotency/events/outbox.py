@@ -133,13 +133,12 @@ def event_id(record_key: bytes | None, token: int | None, ordinal: int) -> str:
     return "evt_" + hashlib.sha256(b"outbox\x00" + material).hexdigest()[:32]
 
 
-def check_event_type(event_type: str) -> str:
+def check_event_type(event_type: str) -> None:
     if not isinstance(event_type, str) or not _EVENT_TYPE.match(event_type):
         raise ValueError(
             "an event type is 1 to 255 characters of letters, digits and '_.:-' "
             f"(it becomes the routing key), got {event_type!r}"
         )
-    return event_type
 
 
 def positive_seconds(option: str, value: float | timedelta | None) -> float | None:
