@@ -209,7 +209,6 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
         backoff: Backoff | None = None,
     ) -> None:
         self.app = app
-        self.url = url
         #: The mixin's connection: each round of :meth:`run` consumes on a clone of it.
         self.connection = connect(url, timeout=timeout, heartbeat=heartbeat)
         self.subscriptions = list(subscriptions)
