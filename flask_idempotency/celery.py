@@ -65,13 +65,12 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from flask import Flask, current_app, has_app_context
+from flask import Flask, has_app_context
 
 from .events.amqp import DEFAULT_TIMEOUT, Publisher
 from .events.consumer import ConsumerGuard
 from .events.messages import ConsumerOutcome, Delivery, Result, consumer_options
 from .events.outbox import OutboxEvent
-from .events.relay import BrokerUnavailable
 from .store.base import StoredResponse
 
 try:
@@ -165,9 +164,7 @@ class _TaskGuard(ConsumerGuard):
         ``autoretry_for`` or ``self.retry()``) or ``Reject(requeue=True)``. A final
         failure releases the record, so its attempts are not counted as lost when
         the same key runs again after a fix."""
-        if isinstance(exc, Retry):
-            return False
-        return not (isinstance(exc, Reject) and exc.requeue)
+        return not isinstance(exc, Retry) and not (isinstance(exc, Reject) and exc.requeue)
 
 
 class IdempotentTask(celery.Task):  # type: ignore[misc]
@@ -246,23 +243,28 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
             redelivered=bool((request.delivery_info or {}).get("redelivered")),
             body={"task": self.name, "arguments": self._arguments(args, kwargs)},
         )
-        result = self.idempotency_guard.handle(delivery, app=self._flask_app())
+        if self.flask_app is None and not has_app_context():
+            raise RuntimeError(
+                f"task {self.name}: no Flask app for its idempotency records; set flask_app= "
+                "on the task (or its base), or run tasks in an app context"
+            )
+        # ``app=None``: the guard takes the current app.
+        result = self.idempotency_guard.handle(delivery, app=self.flask_app)
         return self._outcome(result, request, args, kwargs)
 
     def _run_delivery(self, delivery: Delivery) -> Any:
         return self.run(*delivery.payload["args"], **delivery.payload["kwargs"])
 
-    def _task_function(self) -> Callable[..., Any]:
+    def _run_signature(self) -> inspect.Signature:
         # Under autoretry_for, run is a wrapper and _orig_run the task function.
-        run: Callable[..., Any] = getattr(self, "_orig_run", None) or self.run
-        return run
+        return inspect.signature(getattr(self, "_orig_run", None) or self.run)
 
     def _arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """What "the same call" means (the fingerprint): the arguments by name, with
         defaults filled in, so ``f(1)`` and ``f(x=1)`` are one call; as given when
         they do not fit the signature (the task will say so when it runs)."""
         try:
-            bound = inspect.signature(self._task_function()).bind(*args, **kwargs)
+            bound = self._run_signature().bind(*args, **kwargs)
         except (TypeError, ValueError):
             return {"args": list(args), "kwargs": kwargs}
         bound.apply_defaults()
@@ -282,21 +284,10 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         if spec in kwargs:
             return kwargs[spec]
         try:
-            bound = inspect.signature(self._task_function()).bind_partial(*args, **kwargs)
+            bound = self._run_signature().bind_partial(*args, **kwargs)
         except TypeError:
             return None
         return bound.arguments.get(spec)
-
-    def _flask_app(self) -> Flask:
-        if self.flask_app is not None:
-            return self.flask_app
-        if has_app_context():
-            app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
-            return app
-        raise RuntimeError(
-            f"task {self.name}: no Flask app for its idempotency records; set flask_app= "
-            "on the task (or its base), or run tasks in an app context"
-        )
 
     def _outcome(
         self, result: Result, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -377,24 +368,18 @@ class TaskPublisher(Publisher):
         return self.celery_app.amqp.Producer(conn.default_channel)
 
     def publish(self, event: OutboxEvent) -> bool:
-        task_name = self.routes.get(event.type)
-        if task_name is None:
-            return False
-        producer = self.producer()
-        try:
-            self.celery_app.send_task(
-                task_name,
-                args=[json.loads(event.envelope())],
-                task_id=event.id,
-                headers={KEY_HEADER: event.id},
-                producer=producer,
-                retry=False,  # the relay retries, with its own backoff
-                add_to_parent=False,
-            )
-        except Exception as exc:
-            self.close()
-            raise BrokerUnavailable(f"publish failed: {type(exc).__name__}: {exc}") from exc
-        return True
+        return event.type in self.routes and super().publish(event)
+
+    def send(self, producer: Any, event: OutboxEvent) -> None:
+        self.celery_app.send_task(
+            self.routes[event.type],
+            args=[json.loads(event.envelope())],
+            task_id=event.id,
+            headers={KEY_HEADER: event.id},
+            producer=producer,
+            retry=False,  # the relay retries, with its own backoff
+            add_to_parent=False,
+        )
 
 
 #: What an application uses; ``KEY_HEADER`` (the header a task's key travels in)

@@ -37,10 +37,9 @@ _HOMES = {
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
+    if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
@@ -82,7 +83,7 @@ class Publisher:
     bound to its type yet: the relay keeps the row and tries again later), and
     raises :class:`~.relay.BrokerUnavailable` when the broker is away or refused it.
     A publisher of another kind of message (``celery.TaskPublisher``) overrides
-    :meth:`make_producer` and ``publish``, and keeps the connection handling.
+    :meth:`make_producer` and :meth:`send`, and keeps the connection handling.
     """
 
     def __init__(self, url: str, exchange_name: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -122,20 +123,7 @@ class Publisher:
     def publish(self, event: OutboxEvent) -> bool:
         producer = self.producer()
         try:
-            producer.publish(
-                event.envelope(),
-                routing_key=event.type,
-                content_type="application/json",
-                content_encoding="utf-8",
-                message_id=event.id,
-                type=event.type,
-                timestamp=event.created,
-                delivery_mode=2,
-                mandatory=True,
-                headers={"x-idempotency-derived-key": event.derived_key or ""},
-                timeout=self.timeout,
-                confirm_timeout=self.timeout,
-            )
+            self.send(producer, event)
         except Exception as exc:
             self.close()
             raise BrokerUnavailable(f"publish failed: {type(exc).__name__}: {exc}") from exc
@@ -143,6 +131,25 @@ class Publisher:
             self._returned.discard(event.id)
             return False
         return True
+
+    def send(self, producer: Any, event: OutboxEvent) -> None:
+        """Publish ``event`` with ``producer`` and wait for its confirm; whatever this
+        raises is the broker's failure (:meth:`publish` closes the connection and
+        raises :class:`~.relay.BrokerUnavailable`)."""
+        producer.publish(
+            event.envelope(),
+            routing_key=event.type,
+            content_type="application/json",
+            content_encoding="utf-8",
+            message_id=event.id,
+            type=event.type,
+            timestamp=event.created,
+            delivery_mode=2,
+            mandatory=True,
+            headers={"x-idempotency-derived-key": event.derived_key or ""},
+            timeout=self.timeout,
+            confirm_timeout=self.timeout,
+        )
 
     def close(self) -> None:
         conn, self._conn, self._producer = self._conn, None, None
@@ -202,7 +209,6 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
         backoff: Backoff | None = None,
     ) -> None:
         self.app = app
-        self.url = url
         #: The mixin's connection: each round of :meth:`run` consumes on a clone of it.
         self.connection = connect(url, timeout=timeout, heartbeat=heartbeat)
         self.subscriptions = list(subscriptions)
@@ -263,8 +269,8 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
             consumers.append(
                 consumer(
                     queues=[queue],
-                    callbacks=[self._callback(sub)],
-                    on_decode_error=self._decode_error(sub),
+                    callbacks=[functools.partial(self._on_message, sub)],
+                    on_decode_error=functools.partial(self._on_decode_error, sub),
                     accept=["json"],
                     prefetch_count=self.prefetch,
                 )
@@ -286,53 +292,39 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
 
     # -- deliveries ----------------------------------------------------------------
 
-    def _callback(self, sub: Subscription) -> Callable[[Any, Any], None]:
-        def on_message(body: Any, message: Any) -> None:
-            properties = message.properties or {}
-            delivery = Delivery.from_body(
-                body,
-                message_id=properties.get("message_id"),
-                type=properties.get("type"),
-                headers=message.headers or {},
-                redelivered=bool(message.delivery_info.get("redelivered")),
-            )
-
-            def dead_letter(delivery: Delivery, result: Result, error: str) -> None:
-                self._dead_letter(sub, message, result, error)
-
-            result = sub.guard.handle(delivery, app=self.app, dead_letter=dead_letter)
-            self.counts[result.outcome.value] += 1
-            if result.outcome.acknowledge:
-                message.ack()
-            else:
-                due = time.monotonic() + result.delay
-                heapq.heappush(self._delayed, (due, next(self._seq), message))
-
-        return on_message
-
-    def _decode_error(self, sub: Subscription) -> Callable[[Any, Exception], None]:
-        def on_decode_error(message: Any, exc: Exception) -> None:
-            log.error("consumer %s: undecodable message: %s", sub.queue, type(exc).__name__)
-            result = Result(ConsumerOutcome.DEAD_LETTERED, reason="undecodable")
-            self._dead_letter(sub, message, result, f"{type(exc).__name__}"[:500])
-            self.counts[ConsumerOutcome.DEAD_LETTERED.value] += 1
-            message.ack()
-
-        return on_decode_error
-
-    def _dead_letter(self, sub: Subscription, message: Any, result: Result, error: str) -> None:
-        """Copy ``message`` to ``sub``'s dead-letter queue and wait for the confirm
-        (reconnecting once if that connection was lost since its last use)."""
+    def _on_message(self, sub: Subscription, body: Any, message: Any) -> None:
         properties = message.properties or {}
-        headers = dict(message.headers or {})
-        headers.update(
-            {
-                "x-idempotency-dead-letter-reason": result.reason or "",
-                "x-idempotency-attempts": result.attempts,
-                "x-idempotency-error": error,
-                "x-idempotency-queue": sub.queue,
-            }
+        delivery = Delivery.from_body(
+            body,
+            message_id=properties.get("message_id"),
+            type=properties.get("type"),
+            headers=message.headers or {},
+            redelivered=bool(message.delivery_info.get("redelivered")),
         )
+        dead_letter = functools.partial(self._dead_letter, sub, message)
+        result = sub.guard.handle(delivery, app=self.app, dead_letter=dead_letter)
+        self.counts[result.outcome.value] += 1
+        if result.outcome.acknowledge:
+            message.ack()
+        else:
+            due = time.monotonic() + result.delay
+            heapq.heappush(self._delayed, (due, next(self._seq), message))
+
+    def _on_decode_error(self, sub: Subscription, message: Any, exc: Exception) -> None:
+        log.error("consumer %s: undecodable message: %s", sub.queue, type(exc).__name__)
+        result = Result(ConsumerOutcome.DEAD_LETTERED, reason="undecodable")
+        self._dead_letter(sub, message, None, result, f"{type(exc).__name__}"[:500])
+        self.counts[ConsumerOutcome.DEAD_LETTERED.value] += 1
+        message.ack()
+
+    def _dead_letter(
+        self, sub: Subscription, message: Any, delivery: Delivery | None, result: Result, error: str
+    ) -> None:
+        """Copy ``message`` to ``sub``'s dead-letter queue and wait for the confirm
+        (reconnecting once if that connection was lost since its last use). The
+        copy is the message as received: ``delivery`` (none when it could not be
+        decoded) is not needed."""
+        properties = message.properties or {}
         self._dead_letters.publish(
             message.body,
             exchange="",
@@ -341,7 +333,13 @@ class ConsumerWorker(ConsumerMixin):  # type: ignore[misc]  # kombu is untyped h
             content_encoding=message.content_encoding,
             message_id=properties.get("message_id"),
             type=properties.get("type"),
-            headers=headers,
+            headers={
+                **(message.headers or {}),
+                "x-idempotency-dead-letter-reason": result.reason or "",
+                "x-idempotency-attempts": result.attempts,
+                "x-idempotency-error": error,
+                "x-idempotency-queue": sub.queue,
+            },
             delivery_mode=2,
             timeout=self.timeout,
             confirm_timeout=self.timeout,

@@ -84,17 +84,11 @@ class Delivery:
     ) -> Delivery:
         """From a decoded body; a relay envelope (``{"id", "type", "data", ...}``) is
         unwrapped, and its id is the fallback message id."""
-        if not (isinstance(body, dict) and "data" in body and "id" in body):
-            return cls(message_id, type, body, None, dict(headers or {}), redelivered, body)
-        return cls(
-            id=message_id or str(body["id"]),
-            type=type or body.get("type"),
-            payload=body["data"],
-            derived_key=body.get("derived_key"),
-            headers=dict(headers or {}),
-            redelivered=redelivered,
-            body=body,
-        )
+        payload, derived_key = body, None
+        if isinstance(body, dict) and "data" in body and "id" in body:
+            message_id, type = message_id or str(body["id"]), type or body.get("type")
+            payload, derived_key = body["data"], body.get("derived_key")
+        return cls(message_id, type, payload, derived_key, dict(headers or {}), redelivered, body)
 
     def fingerprint(self) -> bytes:
         """What "the same message" means: its canonical JSON body (a re-publish of

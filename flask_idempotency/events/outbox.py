@@ -120,12 +120,9 @@ class OutboxEvent:
     def envelope(self) -> bytes:
         """The message body: ``{"id", "type", "created", "derived_key", "data"}``,
         byte for byte the same on every publish of the row."""
-        head = json.dumps(
-            {"id": self.id, "type": self.type, "created": self.created},
-            separators=(",", ":"),
-        )
-        derived = json.dumps(self.derived_key)
-        return f'{head[:-1]},"derived_key":{derived},"data":{self.payload_json}}}'.encode()
+        head = dict(id=self.id, type=self.type, created=self.created, derived_key=self.derived_key)
+        text = json.dumps(head, separators=(",", ":"))  # ``data`` goes in as PostgreSQL wrote it
+        return f'{text[:-1]},"data":{self.payload_json}}}'.encode()
 
 
 def event_id(record_key: bytes | None, token: int | None, ordinal: int) -> str:
@@ -136,13 +133,12 @@ def event_id(record_key: bytes | None, token: int | None, ordinal: int) -> str:
     return "evt_" + hashlib.sha256(b"outbox\x00" + material).hexdigest()[:32]
 
 
-def check_event_type(event_type: str) -> str:
+def check_event_type(event_type: str) -> None:
     if not isinstance(event_type, str) or not _EVENT_TYPE.match(event_type):
         raise ValueError(
             "an event type is 1 to 255 characters of letters, digits and '_.:-' "
             f"(it becomes the routing key), got {event_type!r}"
         )
-    return event_type
 
 
 def positive_seconds(option: str, value: float | timedelta | None) -> float | None:
@@ -171,14 +167,11 @@ class EmitScope:
         # then raises and is released), never at commit or in the relay.
         body = json.dumps(payload, separators=(",", ":"), allow_nan=False)
         eid = event_id(self.record_key, self.token, self.emitted)
-        derived = (
-            digests.derived_key(self.record_key, DERIVED_KEY_PURPOSE)
-            if self.record_key is not None
-            else None
-        )
+        key = self.record_key
+        derived = None if key is None else digests.derived_key(key, DERIVED_KEY_PURPOSE)
         keep = positive_seconds("an event's ttl", ttl) or self.default_ttl
         with conn.cursor() as cur:
-            cur.execute(INSERT_EVENT, (eid, self.record_key, derived, event_type, body, keep))
+            cur.execute(INSERT_EVENT, (eid, key, derived, event_type, body, keep))
         self.emitted += 1
         return eid
 

@@ -147,8 +147,7 @@ class Relay:
             except driver.ERRORS as exc:
                 # No outbox table: a skipped migrate, named (and waited out) as such,
                 # not an UndefinedTable that ends the relay.
-                problem = schema.mismatch(exc)
-                if problem is None:
+                if (problem := schema.mismatch(exc)) is None:
                     raise
                 raise problem from exc
             if not events:
@@ -240,8 +239,8 @@ class DirectPublisher:
         self.routes = [(guard, tuple(patterns)) for guard, patterns in routes]
 
     def publish(self, event: OutboxEvent) -> bool:
-        body = json.loads(event.envelope())
-        delivery = Delivery.from_body(body, message_id=event.id, type=event.type)
+        # The envelope carries the event's id and type: the delivery's.
+        delivery = Delivery.from_body(json.loads(event.envelope()))
         done = True
         for guard, patterns in self.routes:
             if not any(topic_matches(p, event.type) for p in patterns):
