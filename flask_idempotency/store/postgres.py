@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, closing, contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -84,11 +84,6 @@ class PostgresStore:
     def begin(self) -> PostgresRequest:
         """A new request's handle, in this store's claim mode."""
         return PostgresRequest(self)
-
-    def autocommit(self, *, discard: bool = False) -> AbstractContextManager[Connection]:
-        """A pooled autocommit connection for the extension's own maintenance
-        statements (``EnginePool.connection``: driver errors become the store's)."""
-        return self.pool.connection(discard=discard)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -163,19 +158,19 @@ class PostgresStore:
         On a connection closed after it: read in ``init_app`` too, where an app
         built before a fork (gunicorn's ``--preload``) must not leave its workers
         a socket of the parent's in the pool."""
-        with self.autocommit(discard=True) as conn:
+        with self.pool.connection(discard=True) as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
                 return schema.inspect(cur, self._migration_names)
 
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         """The migrations this database has not applied (``flask idempotency doctor``)."""
         names = [name for name, _ in migrations.all_migrations(extra_dirs)]
-        with self.autocommit() as conn, self.driver.cursor(conn) as cur:
+        with self.pool.connection() as conn, self.driver.cursor(conn) as cur:
             return migrations.pending(cur, names)
 
     def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         found = migrations.all_migrations(extra_dirs)
-        with self.autocommit() as conn:
+        with self.pool.connection() as conn:
             applied = migrations.apply(conn, found)
         self.schema.migrated()
         return applied
@@ -190,7 +185,7 @@ class PostgresStore:
         """``sql`` as one implicit transaction, under the store's timeouts (sent in
         the same round trip) and the watchdog's deadline: the number of rows it
         touched, and those it returned."""
-        with self.autocommit() as conn:
+        with self.pool.connection() as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
                 self.driver.execute(cur, self.timeouts + statement, params)
                 return cur.rowcount, cur.fetchall() if cur.description is not None else []
@@ -267,7 +262,7 @@ class PostgresStore:
         """ "Nothing happened": delete the record (or, with committed recovery points,
         give it back to its client) and count the release; False if no longer ours."""
         statement = sql.RELEASE_TO_CLIENT if keep_phases else sql.RELEASE
-        with self.autocommit() as conn, watched(conn, self.deadline):
+        with self.pool.connection() as conn, watched(conn, self.deadline):
             # (A failure leaves the transaction open: the pool rolls it back.)
             with self.driver.cursor(conn) as cur:
                 text = "BEGIN;\n" + self.timeouts + statement
@@ -293,10 +288,9 @@ class PostgresStore:
         rows = self.read(sql.ATTEMPTS_SO_FAR, (record_key, token))
         return int(rows[0][0]) if rows else None
 
-    def fail_attempt(self, record_key: bytes, token: int) -> None:
-        """End a failed attempt's lease now and keep the record, so the next
-        delivery takes it over (and ``takeovers`` counts one more attempt)."""
-        self.hand_back(record_key, token)
+    #: End a failed attempt's lease now and keep the record, so the next delivery
+    #: takes it over (and ``takeovers`` counts one more attempt).
+    fail_attempt = hand_back
 
     def release_claim(self, record_key: bytes, token: int) -> None:
         """Delete a record we hold, so the next delivery starts afresh."""
