@@ -11,6 +11,7 @@ through ``runner.watched`` (deadline, breaker, "unreachable"), and its text is
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from functools import partial
@@ -89,10 +90,11 @@ class PostgresRequest:
         #: committed since): a release keeps it for the next attempt to resume.
         self.has_progress = False
 
-    def _acquire(self, until: float | None = None) -> Connection:
-        """This request's connection, taken from the pool if it has none: at once
-        ``StoreUnavailableError`` while the store's breaker is open, and a connect it
-        needs ends by ``until`` (monotonic clock; the store's deadline from now)."""
+    def held(self, until: float | None = None) -> Connection:
+        """This request's connection, taken from the pool if it has none, whatever its
+        transaction state; nothing is sent. At once ``StoreUnavailableError`` while the
+        store's breaker is open, and a connect it needs ends by ``until`` (monotonic
+        clock; the store's deadline from now)."""
         breaker = self._breaker
         if self._conn is None:
             terms = None
@@ -133,7 +135,7 @@ class PostgresRequest:
         """
         until = time.monotonic() + self._store.deadline if bounded else None
         while True:
-            conn = self._acquire(until)
+            conn = self.held(until)
             seconds = self._store.deadline
             if until is not None:
                 seconds = min(seconds, until - time.monotonic())
@@ -241,11 +243,6 @@ class PostgresRequest:
             return Claimed(sql.new_token())  # names the attempt; the locks fence
         return _existing(*row[2:9])
 
-    def held(self) -> Connection:
-        """This request's connection (taken from the pool if it has none yet),
-        whatever its transaction state; nothing is sent."""
-        return self._acquire()
-
     def connection(self) -> Connection:
         """The connection, in this request's transaction (opened now if it is not).
         Nothing of the transaction exists before, so a pooled connection that died
@@ -254,12 +251,13 @@ class PostgresRequest:
         if not self._in_transaction:
             self._send("BEGIN", "BEGIN", retry=True)
             self._in_transaction = True
-        return self._acquire()
+        return self.held()
 
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         """Store ``response`` and commit, with the view's transaction if it opened one,
         in one round trip; ``LeaseLostError`` if the record was taken over."""
-        answer = sql.response_params(response)
+        # The header pairs as a JSON array of arrays (each statement casts it to jsonb).
+        answer = (response.status, json.dumps(response.headers), response.body)
         statements = self._store.statements
         params: tuple[Any, ...]
         if self._claimed is not None:
