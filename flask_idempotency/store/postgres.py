@@ -25,14 +25,14 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from . import driver, migrations, schema, sql
+from . import diagnostics, driver, migrations, schema, sql
 from .base import LeaseHold, RecordInfo, StoreUnavailableError, Taken, phases_of
 from .breaker import StoreBreaker
 from .errors import is_unreachable
 from .pool import Connection, EnginePool, build_engine
 from .request import PostgresRequest
 from .runner import NoAnswer, watched
-from .sql import CLIENT_DEADLINE_GRACE, Statements, timeouts_sql
+from .sql import CLIENT_DEADLINE_GRACE, Statements
 
 log = logging.getLogger("flask_idempotency.store")
 
@@ -52,8 +52,6 @@ class PostgresStore:
         self.claim_mode = settings.claim_mode
         #: One text per operation (``sql.Statements``), built once from the settings.
         self.statements = Statements.build(settings)
-        #: ``SET LOCAL`` of the timeouts, for the maintenance statements.
-        self.timeouts = timeouts_sql(settings.statement_timeout, settings.lock_timeout)
         #: Seconds before the watchdog gives up on one of our statements.
         self.deadline = settings.statement_timeout + CLIENT_DEADLINE_GRACE
         self._renew_lock = threading.Lock()
@@ -113,7 +111,7 @@ class PostgresStore:
         which it may probe; a pooled connection that died while idle is replaced once
         and not counted, so a health check just after a restart finds the server up."""
         with closing(PostgresRequest(self)) as request:
-            request._send("ping", self.statements.ping, retry=True)
+            request._send("ping", self.statements.timeouts + "SELECT 1", retry=True)
 
     def prepare_renewals(self) -> None:
         """Open the lease keeper's connection ahead of its first renewal (best effort:
@@ -130,8 +128,6 @@ class PostgresStore:
         A connection that died while the keeper waited (a restart, a healed
         partition) is replaced at once, as renewing is idempotent, rather than a
         whole interval later."""
-        if not holds:
-            return 0
         params = ([h.record_key for h in holds], [h.token for h in holds], [h.lease for h in holds])
         retry = True
         with self._renew_lock:
@@ -139,7 +135,7 @@ class PostgresStore:
                 try:
                     with self.pool.renewal() as conn, watched(conn, self.deadline):
                         with self.driver.cursor(conn) as cur:
-                            self.driver.execute(cur, self.statements.renew, params)
+                            self.driver.execute(cur, self.statements.timeouts + sql.RENEW, params)
                             return int(cur.rowcount)
                 except driver.ERRORS as exc:
                     # Once more on a fresh connection if the keeper's died while idle;
@@ -187,7 +183,7 @@ class PostgresStore:
         touched, and those it returned."""
         with self.pool.connection() as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
-                self.driver.execute(cur, self.timeouts + statement, params)
+                self.driver.execute(cur, self.statements.timeouts + statement, params)
                 return cur.rowcount, cur.fetchall() if cur.description is not None else []
 
     def _figures(self, statement: str, names: str) -> dict[str, float]:
@@ -195,7 +191,7 @@ class PostgresStore:
         return dict(zip(names.split(), map(float, self.read(statement)[0]), strict=True))
 
     def count_expired(self) -> int:
-        return int(self.read(sql.COUNT_EXPIRED)[0][0])
+        return int(self.read(diagnostics.EXPIRED_RECORDS)[0][0])
 
     def purge(self, batch_size: int) -> Iterator[list[bytes]]:
         """Delete expired rows a batch at a time (each its own transaction), yielding
@@ -265,7 +261,7 @@ class PostgresStore:
         with self.pool.connection() as conn, watched(conn, self.deadline):
             # (A failure leaves the transaction open: the pool rolls it back.)
             with self.driver.cursor(conn) as cur:
-                text = "BEGIN;\n" + self.timeouts + statement
+                text = "BEGIN;\n" + self.statements.timeouts + statement
                 self.driver.execute(cur, text, (record_key, token))
                 released: bool = cur.rowcount == 1
                 if released:

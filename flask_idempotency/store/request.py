@@ -115,13 +115,13 @@ class PostgresRequest:
         statement: str,
         params: Any = None,
         *,
-        fetch: bool = False,
         retry: bool = False,
         bounded: bool = False,
         own: bool = False,
     ) -> Any:
         """Run one of the extension's statements on this request's connection
-        (``runner.watched``: the deadline, the breaker); the first row if ``fetch``.
+        (``runner.watched``: the deadline, the breaker); the first row of its result,
+        if it has one (a claim's).
 
         ``retry``: nothing of this request's is on the connection yet, so a pooled
         one that turns out dead (a restart) is replaced once (the statement never
@@ -151,7 +151,7 @@ class PostgresRequest:
                     drv.cursor(conn) as cur,
                 ):
                     drv.execute(cur, statement, params)
-                    return cur.fetchone() if fetch else None
+                    return cur.fetchone() if cur.description else None
             except driver.ERRORS as exc:
                 if not self._lost(exc):
                     # The server answered (a statement or lock timeout, a missing
@@ -322,10 +322,10 @@ class PostgresRequest:
             # Lost under the view (its session is gone, and with it the transaction):
             # the release goes on a fresh connection.
             self._drop(peers=False)
-        statements = self._store.statements
-        text = statements.end_lease if self.has_progress else statements.release
+        text = self._store.statements.timeouts
         if self._in_transaction:
             text = "ROLLBACK;\n" + text
+        text += sql.END_LEASE if self.has_progress else sql.RELEASE
         try:
             self._send("release", text, (record_key, token))
             self._in_transaction = False
@@ -352,7 +352,7 @@ class PostgresRequest:
 
 #: How a claim is sent: one deadline for the pool, a connect and the statement, and
 #: once more on a fresh connection if a pooled one turns out dead.
-CLAIMING: dict[str, bool] = {"fetch": True, "retry": True, "bounded": True}
+CLAIMING: dict[str, bool] = {"retry": True, "bounded": True}
 
 
 def _existing(
