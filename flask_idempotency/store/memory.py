@@ -101,8 +101,7 @@ class MemoryStore:
         self._claims_since_sweep += 1
         if self._claims_since_sweep >= SWEEP_EVERY:
             self._claims_since_sweep = 0
-            for key in [k for k, r in self._records.items() if r.expires_at <= now]:
-                del self._records[key]
+            self._records = {k: r for k, r in self._records.items() if r.expires_at > now}
 
     def _held(self, record_key: bytes, token: int | None) -> _Record | None:
         """Our processing record under ``token`` (under the lock), else ``None``."""
