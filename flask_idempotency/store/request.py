@@ -28,7 +28,7 @@ from .base import (
     phases_of,
 )
 from .breaker import StoreBreaker
-from .driver import Driver, sqlstate
+from .driver import sqlstate
 from .errors import is_unreachable
 from .pool import Checkout, Connection, EnginePool
 from .runner import NoAnswer, watched
@@ -40,7 +40,6 @@ class RequestStore(Protocol):
     """What a request's handle uses of its store (``postgres.PostgresStore``)."""
 
     pool: EnginePool
-    driver: Driver
     breaker: StoreBreaker
     statements: Statements
     #: Seconds before the watchdog gives up on one of our statements.
@@ -144,7 +143,7 @@ class PostgresRequest:
             # Cut after less than half the deadline (the claim's time went on waiting
             # for a connection), a statement says too little about the server to count.
             counts = seconds >= self._store.deadline / 2
-            drv = self._store.driver
+            drv = self._store.pool.driver
             try:
                 with (
                     watched(conn, seconds, self._breaker, counts=counts, retried_if_lost=retry),
@@ -153,7 +152,9 @@ class PostgresRequest:
                     drv.execute(cur, statement, params)
                     return cur.fetchone() if cur.description else None
             except driver.ERRORS as exc:
-                if not self._lost(exc):
+                # Gone, or one cut at its deadline (which marks the request unresponsive).
+                self._unresponsive = self._unresponsive or isinstance(exc, NoAnswer)
+                if not (self._unresponsive or is_unreachable(exc, self._conn)):
                     # The server answered (a statement or lock timeout, a missing
                     # table): the connection is sound and stays with the request.
                     self.rollback()
@@ -166,12 +167,6 @@ class PostgresRequest:
                 if not retry or self._unresponsive:
                     raise StoreUnavailableError(f"{what} failed: {type(exc).__name__}") from exc
                 retry = False
-
-    def _lost(self, exc: BaseException) -> bool:
-        """Whether ``exc`` on this request's connection means it is gone; one cut at
-        its deadline marks the request unresponsive."""
-        self._unresponsive = self._unresponsive or isinstance(exc, NoAnswer)
-        return self._unresponsive or is_unreachable(exc, self._conn)
 
     def _drop(self, *, peers: bool = True) -> None:
         """Give back a connection that failed: it is not reused, nor (when the
