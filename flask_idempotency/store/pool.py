@@ -273,7 +273,8 @@ class EnginePool:
         with self._lock:
             connection = self._lent.pop(conn)
         try:
-            discard = discard or bool(conn.closed) or self.driver.in_transaction(conn)
+            # In a transaction (or a failed one), not idle: read as both drivers spell it.
+            discard = discard or bool(conn.closed) or bool(conn.info.transaction_status)
             if not discard:
                 conn.autocommit = False
         except driver.ERRORS:
