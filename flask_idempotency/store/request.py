@@ -253,16 +253,13 @@ class PostgresRequest:
         in one round trip; ``LeaseLostError`` if the record was taken over."""
         # The header pairs as a JSON array of arrays (each statement casts it to jsonb).
         answer = (response.status, json.dumps(response.headers), response.body)
-        statements = self._store.statements
-        params: tuple[Any, ...]
-        if self._claimed is not None:
-            fingerprint, ttl = self._claimed
-            text, params = statements.insert_completed, (record_key, fingerprint, ttl, *answer)
-        else:
-            text, params = statements.complete, (record_key, token, *answer)
+        text = self._store.statements.complete
+        head: tuple[Any, ...] = (record_key, token)
+        if self._claimed is not None:  # (the record is inserted: fingerprint and TTL)
+            text, head = self._store.statements.insert_completed, (record_key, *self._claimed)
         if not self._in_transaction:
             text = "BEGIN;\n" + text  # (its COMMIT must end a transaction)
-        self._send("completion", text, params)
+        self._send("completion", text, (*head, *answer))
         self._in_transaction = False
         self._claimed = None
 
