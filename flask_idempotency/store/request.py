@@ -11,7 +11,6 @@ through ``runner.watched`` (deadline, breaker, "unreachable"), and its text is
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from functools import partial
@@ -251,15 +250,13 @@ class PostgresRequest:
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         """Store ``response`` and commit, with the view's transaction if it opened one,
         in one round trip; ``LeaseLostError`` if the record was taken over."""
-        # The header pairs as a JSON array of arrays (each statement casts it to jsonb).
-        answer = (response.status, json.dumps(response.headers), response.body)
         text = self._store.statements.complete
         head: tuple[Any, ...] = (record_key, token)
         if self._claimed is not None:  # (the record is inserted: fingerprint and TTL)
             text, head = self._store.statements.insert_completed, (record_key, *self._claimed)
         if not self._in_transaction:
             text = "BEGIN;\n" + text  # (its COMMIT must end a transaction)
-        self._send("completion", text, (*head, *answer))
+        self._send("completion", text, (*head, *sql.response_params(response)))
         self._in_transaction = False
         self._claimed = None
 

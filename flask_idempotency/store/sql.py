@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from typing import Any
+
+from .base import StoredResponse
 
 LEASE_LOST_SQLSTATE = "IK409"
 #: The row-mode claim's INSERT of a key another claimer inserted since its read
@@ -257,6 +260,12 @@ def new_token() -> int:
 
 def headers_from_json(raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple((str(k), str(v)) for k, v in (raw or ()))
+
+
+def response_params(response: StoredResponse) -> tuple[int, str, Any]:
+    """A stored answer as the completion statements take it: the status, the header
+    pairs as a JSON array of arrays (each statement casts it to jsonb), the body."""
+    return response.status, json.dumps(response.headers), response.body
 
 
 def written_before(fingerprint: bytes) -> bytes:
