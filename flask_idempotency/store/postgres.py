@@ -50,7 +50,8 @@ class PostgresStore:
         self.driver = pool.driver
         #: ``"row"`` (a processing row, committed on its own) or ``"transaction"``.
         self.claim_mode = settings.claim_mode
-        #: One text per operation (``sql.Statements``), built once from the settings.
+        #: The request path's texts and the ``SET LOCAL`` timeouts every other
+        #: statement starts with (``sql.Statements``), built once from the settings.
         self.statements = Statements.build(settings)
         #: Seconds before the watchdog gives up on one of our statements.
         self.deadline = settings.statement_timeout + CLIENT_DEADLINE_GRACE

@@ -6,7 +6,8 @@ business transaction with the claim, under advisory locks, and its COMMIT
 inserts the completed record. Everything else (the view's transaction, the
 completion's fencing, the release, recovery points) is shared. Every statement goes
 through ``runner.watched`` (deadline, breaker, "unreachable"), and its text is
-``sql.Statements``' one for the operation.
+``sql.Statements``' one for the operation (a release: its timeouts and ``sql``'s
+``RELEASE`` or ``END_LEASE``).
 """
 
 from __future__ import annotations
