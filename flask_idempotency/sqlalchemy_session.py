@@ -45,7 +45,7 @@ from flask import Flask, has_app_context
 from sqlalchemy import event
 from sqlalchemy.engine import Connection as SAConnection
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.orm import Session, SessionTransaction, scoped_session
 
 from .engine import current_attempt
 from .errors import StoreUnavailable
@@ -54,7 +54,6 @@ from .store.pool import EnginePool
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import RootTransaction
-    from sqlalchemy.orm import scoped_session
 
     from .store.request import PostgresRequest
 
@@ -228,8 +227,6 @@ def from_app(
         # autogenerate must not propose dropping the extension's tables. A web
         # worker, which never imports Alembic, does not pay for it.
         importlib.import_module("flask_idempotency.alembic")
-    if session is not None and (
-        not hasattr(session, "session_factory") or not hasattr(session, "registry")
-    ):
+    if session is not None and not isinstance(session, scoped_session):
         raise TypeError("session= must be a sqlalchemy.orm.scoped_session")
     return engine, session, max_overflow

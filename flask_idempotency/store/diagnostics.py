@@ -52,7 +52,8 @@ SELECT c.reloptions, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
 SERVER_CLOCK = "SELECT extract(epoch FROM clock_timestamp())::float8"
 
 #: Expired records that purge has not deleted yet, and how long ago the oldest
-#: expired: each still holds a stored answer (``flask idempotency doctor``).
+#: expired: each still holds a stored answer (``flask idempotency doctor``; the
+#: count is also what ``purge --dry-run`` would delete).
 EXPIRED_RECORDS = """
 SELECT count(*), coalesce(extract(epoch FROM now() - min(expires_at)), 0)::float8
   FROM idempotency_records WHERE expires_at <= now()

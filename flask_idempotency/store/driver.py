@@ -63,10 +63,6 @@ class Driver:
         """Run ``sql``; the cursor then holds the last statement's result."""
         cur.execute(sql, params)
 
-    def in_transaction(self, conn: Any) -> bool:
-        """Whether ``conn`` is inside a transaction (or a failed one), not idle."""
-        return bool(conn.info.transaction_status)
-
 
 class Psycopg3Driver(Driver):
     """psycopg 3: a client-side binding cursor, moved on to the last result."""

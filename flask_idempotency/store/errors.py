@@ -45,9 +45,7 @@ def is_unreachable(exc: BaseException, conn: Any = None) -> bool:
     if conn is not None and getattr(conn, "closed", False):
         return True
     code = sqlstate(exc)
-    if code == READ_ONLY_SQLSTATE:
-        return True
-    if isinstance(exc, driver.INTERFACE_ERRORS):
+    if code == READ_ONLY_SQLSTATE or isinstance(exc, driver.INTERFACE_ERRORS):
         return True
     if isinstance(exc, driver.OPERATIONAL_ERRORS):
         return not code or code.startswith("08") or code in UNREACHABLE_SQLSTATES

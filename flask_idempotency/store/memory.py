@@ -101,8 +101,7 @@ class MemoryStore:
         self._claims_since_sweep += 1
         if self._claims_since_sweep >= SWEEP_EVERY:
             self._claims_since_sweep = 0
-            for key in [k for k, r in self._records.items() if r.expires_at <= now]:
-                del self._records[key]
+            self._records = {k: r for k, r in self._records.items() if r.expires_at > now}
 
     def _held(self, record_key: bytes, token: int | None) -> _Record | None:
         """Our processing record under ``token`` (under the lock), else ``None``."""
@@ -165,7 +164,8 @@ class MemoryRequest:
 
     #: The keeper renews the claim's lease, as in row mode.
     holds_lease = True
-    #: The claim found recovery points, or one was committed since (``checkpoint``).
+    #: Set by the engine as on a PostgreSQL handle; here the record's own recovery
+    #: points (resumed by the claim, or committed since) decide a release.
     has_progress = False
     #: No connection or transaction (``idempotency.connection()`` raises).
     connection = count_recovered = no_connection
@@ -213,7 +213,6 @@ class MemoryRequest:
             store._records[record_key] = _Record(
                 fingerprint, "processing", token, now, now + ttl, now + lease, phases=phases
             )
-        self.has_progress = bool(phases)
         return Claimed(token, tuple(phases), takeover=live)
 
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
@@ -238,14 +237,13 @@ class MemoryRequest:
             if record is None:
                 raise LeaseLostError()
             record.phases.append((phase, json.loads(data_json)))
-        self.has_progress = True
 
     def release(self, record_key: bytes, token: int) -> None:
         """Give the claim up: forget the record, or (it has recovery points) end its
         lease at once so the next identical request resumes after them."""
         with self._store._lock:
             record = self._store._held(record_key, token)
-            if record is not None and self.has_progress and record.phases:
+            if record is not None and record.phases:
                 record.token, record.lease_expires_at = None, self._store._clock()
             elif record is not None:
                 del self._store._records[record_key]

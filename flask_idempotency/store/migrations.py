@@ -14,8 +14,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import psycopg2.extensions
-
 #: An arbitrary constant naming this project's migration lock.
 ADVISORY_LOCK_ID = 0x1DE3_7E9C
 
@@ -87,29 +85,31 @@ def all_migrations(extra_dirs: Sequence[str]) -> list[tuple[str, str]]:
     return found
 
 
-def apply(conn: psycopg2.extensions.connection, migrations: Iterable[tuple[str, str]]) -> list[str]:
-    """Apply what is missing in one transaction; return the names applied now."""
-    conn.autocommit = False
-    try:
-        with conn.cursor() as cur:
-            applied_now = apply_in_transaction(cur, migrations)
-        conn.commit()
-    except BaseException:
-        conn.rollback()
-        raise
-    finally:
-        conn.autocommit = True
+def apply(conn: Any, migrations: Iterable[tuple[str, str]]) -> list[str]:
+    """Apply what is missing in one transaction, opened and committed here on a
+    connection (of either driver) left in autocommit mode; return the names applied
+    now. A failure leaves the transaction open: closing the connection rolls it
+    back (the store's pool discards a connection given back in a transaction)."""
+    conn.autocommit = True  # (the store's pool lends it so; a fresh one is not)
+    with conn.cursor() as cur:
+        cur.execute("BEGIN")
+        applied_now = apply_in_transaction(cur, migrations)
+        cur.execute("COMMIT")
     return applied_now
 
 
-#: Whether any migrate ran yet (``to_regclass`` is NULL for a missing table).
-LEDGER_EXISTS = "SELECT to_regclass('idempotency_schema_migrations') IS NOT NULL"
+#: Which of the ledger (whether any migrate ran yet) and the records table exist
+#: (``NULL`` from ``to_regclass`` when not).
+PRESENCE = (
+    "SELECT to_regclass('idempotency_schema_migrations') IS NOT NULL,"
+    " to_regclass('idempotency_records') IS NOT NULL"
+)
 
 
 def pending(cur: Any, names: list[str]) -> list[str]:
     """The migration ``names`` the database has not applied (all of them before the
     first migrate), read without taking the migration lock."""
-    cur.execute(LEDGER_EXISTS)
+    cur.execute(PRESENCE)
     done = applied(cur) if cur.fetchall()[0][0] else set()
     return [name for name in names if name not in done]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from types import FrameType
+import traceback
 from typing import Any
 
 _ADVICE = "run one worker process (gunicorn --workers 1 --threads N) or use a PostgreSQL URL"
@@ -38,8 +38,7 @@ def server_processes() -> tuple[str, int, bool] | None:
     # arbiter), through its application object; each holds the configuration as .cfg.
     workers: int | None = None
     in_worker = False
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
+    for frame, _ in traceback.walk_stack(None):
         owner = frame.f_locals.get("self")
         module = type(owner).__module__ if owner is not None else ""
         if module.startswith("gunicorn"):
@@ -47,7 +46,6 @@ def server_processes() -> tuple[str, int, bool] | None:
             if workers is None and isinstance(found, int):
                 workers = found
             in_worker = in_worker or module.startswith("gunicorn.workers")
-        frame = frame.f_back
     return None if workers is None else ("gunicorn", workers, in_worker)
 
 

@@ -142,16 +142,6 @@ def _bound_connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any
         cparams["connect_timeout"] = limit
 
 
-def guard_forks(engine: Engine) -> None:
-    """SQLAlchemy's documented fork recipe on ``engine``'s pool, once per engine: a
-    connection opened by another process is discarded at checkout, never used."""
-    if event.contains(engine, "checkout", _refuse_other_pid):
-        return
-    event.listen(engine, "connect", _remember_pid)
-    event.listen(engine, "checkout", _refuse_other_pid)
-    event.listen(engine, "do_connect", _bound_connect)
-
-
 def _remember_pid(dbapi_connection: Any, connection_record: Any) -> None:
     connection_record.info[_PID] = os.getpid()
 
@@ -201,7 +191,13 @@ class EnginePool:
         #: The lease keeper's pool, and the process that made it.
         self._keeper: tuple[int, Pool] | None = None
         self._warned_wait = False
-        guard_forks(engine)
+        # Once per engine: SQLAlchemy's documented fork recipe (a connection opened by
+        # another process is discarded at checkout, never used), and the bound on a
+        # connect for one of the store's checkouts (``_bound_connect``).
+        if not event.contains(engine, "checkout", _refuse_other_pid):
+            event.listen(engine, "connect", _remember_pid)
+            event.listen(engine, "checkout", _refuse_other_pid)
+            event.listen(engine, "do_connect", _bound_connect)
 
     # -- request connections ---------------------------------------------------
 
@@ -277,7 +273,8 @@ class EnginePool:
         with self._lock:
             connection = self._lent.pop(conn)
         try:
-            discard = discard or bool(conn.closed) or self.driver.in_transaction(conn)
+            # In a transaction (or a failed one), not idle: read as both drivers spell it.
+            discard = discard or bool(conn.closed) or bool(conn.info.transaction_status)
             if not discard:
                 conn.autocommit = False
         except driver.ERRORS:

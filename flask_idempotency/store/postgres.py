@@ -20,19 +20,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, closing, contextmanager
+from contextlib import closing, contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from . import driver, migrations, schema, sql
+from . import diagnostics, driver, migrations, schema, sql
 from .base import LeaseHold, RecordInfo, StoreUnavailableError, Taken, phases_of
 from .breaker import StoreBreaker
 from .errors import is_unreachable
 from .pool import Connection, EnginePool, build_engine
 from .request import PostgresRequest
 from .runner import NoAnswer, watched
-from .sql import CLIENT_DEADLINE_GRACE, Statements, timeouts_sql
+from .sql import CLIENT_DEADLINE_GRACE, Statements
 
 log = logging.getLogger("flask_idempotency.store")
 
@@ -50,10 +50,9 @@ class PostgresStore:
         self.driver = pool.driver
         #: ``"row"`` (a processing row, committed on its own) or ``"transaction"``.
         self.claim_mode = settings.claim_mode
-        #: One text per operation (``sql.Statements``), built once from the settings.
+        #: The request path's texts and the ``SET LOCAL`` timeouts every other
+        #: statement starts with (``sql.Statements``), built once from the settings.
         self.statements = Statements.build(settings)
-        #: ``SET LOCAL`` of the timeouts, for the maintenance statements.
-        self.timeouts = timeouts_sql(settings.statement_timeout, settings.lock_timeout)
         #: Seconds before the watchdog gives up on one of our statements.
         self.deadline = settings.statement_timeout + CLIENT_DEADLINE_GRACE
         self._renew_lock = threading.Lock()
@@ -85,11 +84,6 @@ class PostgresStore:
         """A new request's handle, in this store's claim mode."""
         return PostgresRequest(self)
 
-    def autocommit(self, *, discard: bool = False) -> AbstractContextManager[Connection]:
-        """A pooled autocommit connection for the extension's own maintenance
-        statements (``EnginePool.connection``: driver errors become the store's)."""
-        return self.pool.connection(discard=discard)
-
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """A connection in a transaction for the application's own work outside
@@ -118,7 +112,7 @@ class PostgresStore:
         which it may probe; a pooled connection that died while idle is replaced once
         and not counted, so a health check just after a restart finds the server up."""
         with closing(PostgresRequest(self)) as request:
-            request._send("ping", self.statements.ping, retry=True)
+            request._send("ping", self.statements.timeouts + "SELECT 1", retry=True)
 
     def prepare_renewals(self) -> None:
         """Open the lease keeper's connection ahead of its first renewal (best effort:
@@ -135,8 +129,6 @@ class PostgresStore:
         A connection that died while the keeper waited (a restart, a healed
         partition) is replaced at once, as renewing is idempotent, rather than a
         whole interval later."""
-        if not holds:
-            return 0
         params = ([h.record_key for h in holds], [h.token for h in holds], [h.lease for h in holds])
         retry = True
         with self._renew_lock:
@@ -144,7 +136,7 @@ class PostgresStore:
                 try:
                     with self.pool.renewal() as conn, watched(conn, self.deadline):
                         with self.driver.cursor(conn) as cur:
-                            self.driver.execute(cur, self.statements.renew, params)
+                            self.driver.execute(cur, self.statements.timeouts + sql.RENEW, params)
                             return int(cur.rowcount)
                 except driver.ERRORS as exc:
                     # Once more on a fresh connection if the keeper's died while idle;
@@ -163,19 +155,19 @@ class PostgresStore:
         On a connection closed after it: read in ``init_app`` too, where an app
         built before a fork (gunicorn's ``--preload``) must not leave its workers
         a socket of the parent's in the pool."""
-        with self.autocommit(discard=True) as conn:
+        with self.pool.connection(discard=True) as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
                 return schema.inspect(cur, self._migration_names)
 
     def pending_migrations(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         """The migrations this database has not applied (``flask idempotency doctor``)."""
         names = [name for name, _ in migrations.all_migrations(extra_dirs)]
-        with self.autocommit() as conn, self.driver.cursor(conn) as cur:
+        with self.pool.connection() as conn, self.driver.cursor(conn) as cur:
             return migrations.pending(cur, names)
 
     def migrate(self, extra_dirs: Sequence[str] = ()) -> list[str]:
         found = migrations.all_migrations(extra_dirs)
-        with self.autocommit() as conn:
+        with self.pool.connection() as conn:
             applied = migrations.apply(conn, found)
         self.schema.migrated()
         return applied
@@ -190,9 +182,9 @@ class PostgresStore:
         """``sql`` as one implicit transaction, under the store's timeouts (sent in
         the same round trip) and the watchdog's deadline: the number of rows it
         touched, and those it returned."""
-        with self.autocommit() as conn:
+        with self.pool.connection() as conn:
             with watched(conn, self.deadline), self.driver.cursor(conn) as cur:
-                self.driver.execute(cur, self.timeouts + statement, params)
+                self.driver.execute(cur, self.statements.timeouts + statement, params)
                 return cur.rowcount, cur.fetchall() if cur.description is not None else []
 
     def _figures(self, statement: str, names: str) -> dict[str, float]:
@@ -200,7 +192,7 @@ class PostgresStore:
         return dict(zip(names.split(), map(float, self.read(statement)[0]), strict=True))
 
     def count_expired(self) -> int:
-        return int(self.read(sql.COUNT_EXPIRED)[0][0])
+        return int(self.read(diagnostics.EXPIRED_RECORDS)[0][0])
 
     def purge(self, batch_size: int) -> Iterator[list[bytes]]:
         """Delete expired rows a batch at a time (each its own transaction), yielding
@@ -267,10 +259,10 @@ class PostgresStore:
         """ "Nothing happened": delete the record (or, with committed recovery points,
         give it back to its client) and count the release; False if no longer ours."""
         statement = sql.RELEASE_TO_CLIENT if keep_phases else sql.RELEASE
-        with self.autocommit() as conn, watched(conn, self.deadline):
+        with self.pool.connection() as conn, watched(conn, self.deadline):
             # (A failure leaves the transaction open: the pool rolls it back.)
             with self.driver.cursor(conn) as cur:
-                text = "BEGIN;\n" + self.timeouts + statement
+                text = "BEGIN;\n" + self.statements.timeouts + statement
                 self.driver.execute(cur, text, (record_key, token))
                 released: bool = cur.rowcount == 1
                 if released:
@@ -293,10 +285,9 @@ class PostgresStore:
         rows = self.read(sql.ATTEMPTS_SO_FAR, (record_key, token))
         return int(rows[0][0]) if rows else None
 
-    def fail_attempt(self, record_key: bytes, token: int) -> None:
-        """End a failed attempt's lease now and keep the record, so the next
-        delivery takes it over (and ``takeovers`` counts one more attempt)."""
-        self.hand_back(record_key, token)
+    #: End a failed attempt's lease now and keep the record, so the next delivery
+    #: takes it over (and ``takeovers`` counts one more attempt).
+    fail_attempt = hand_back
 
     def release_claim(self, record_key: bytes, token: int) -> None:
         """Delete a record we hold, so the next delivery starts afresh."""

@@ -6,7 +6,8 @@ business transaction with the claim, under advisory locks, and its COMMIT
 inserts the completed record. Everything else (the view's transaction, the
 completion's fencing, the release, recovery points) is shared. Every statement goes
 through ``runner.watched`` (deadline, breaker, "unreachable"), and its text is
-``sql.Statements``' one for the operation.
+``sql.Statements``' one for the operation (a release: its timeouts and ``sql``'s
+``RELEASE`` or ``END_LEASE``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .base import (
     phases_of,
 )
 from .breaker import StoreBreaker
-from .driver import Driver, sqlstate
+from .driver import sqlstate
 from .errors import is_unreachable
 from .pool import Checkout, Connection, EnginePool
 from .runner import NoAnswer, watched
@@ -39,7 +40,6 @@ class RequestStore(Protocol):
     """What a request's handle uses of its store (``postgres.PostgresStore``)."""
 
     pool: EnginePool
-    driver: Driver
     breaker: StoreBreaker
     statements: Statements
     #: Seconds before the watchdog gives up on one of our statements.
@@ -89,10 +89,11 @@ class PostgresRequest:
         #: committed since): a release keeps it for the next attempt to resume.
         self.has_progress = False
 
-    def _acquire(self, until: float | None = None) -> Connection:
-        """This request's connection, taken from the pool if it has none: at once
-        ``StoreUnavailableError`` while the store's breaker is open, and a connect it
-        needs ends by ``until`` (monotonic clock; the store's deadline from now)."""
+    def held(self, until: float | None = None) -> Connection:
+        """This request's connection, taken from the pool if it has none, whatever its
+        transaction state; nothing is sent. At once ``StoreUnavailableError`` while the
+        store's breaker is open, and a connect it needs ends by ``until`` (monotonic
+        clock; the store's deadline from now)."""
         breaker = self._breaker
         if self._conn is None:
             terms = None
@@ -113,13 +114,13 @@ class PostgresRequest:
         statement: str,
         params: Any = None,
         *,
-        fetch: bool = False,
         retry: bool = False,
         bounded: bool = False,
         own: bool = False,
     ) -> Any:
         """Run one of the extension's statements on this request's connection
-        (``runner.watched``: the deadline, the breaker); the first row if ``fetch``.
+        (``runner.watched``: the deadline, the breaker); the first row of its result,
+        if it has one (a claim's).
 
         ``retry``: nothing of this request's is on the connection yet, so a pooled
         one that turns out dead (a restart) is replaced once (the statement never
@@ -133,7 +134,7 @@ class PostgresRequest:
         """
         until = time.monotonic() + self._store.deadline if bounded else None
         while True:
-            conn = self._acquire(until)
+            conn = self.held(until)
             seconds = self._store.deadline
             if until is not None:
                 seconds = min(seconds, until - time.monotonic())
@@ -142,16 +143,18 @@ class PostgresRequest:
             # Cut after less than half the deadline (the claim's time went on waiting
             # for a connection), a statement says too little about the server to count.
             counts = seconds >= self._store.deadline / 2
-            drv = self._store.driver
+            drv = self._store.pool.driver
             try:
                 with (
                     watched(conn, seconds, self._breaker, counts=counts, retried_if_lost=retry),
                     drv.cursor(conn) as cur,
                 ):
                     drv.execute(cur, statement, params)
-                    return cur.fetchone() if fetch else None
+                    return cur.fetchone() if cur.description else None
             except driver.ERRORS as exc:
-                if not self._lost(exc):
+                # Gone, or one cut at its deadline (which marks the request unresponsive).
+                self._unresponsive = self._unresponsive or isinstance(exc, NoAnswer)
+                if not (self._unresponsive or is_unreachable(exc, self._conn)):
                     # The server answered (a statement or lock timeout, a missing
                     # table): the connection is sound and stays with the request.
                     self.rollback()
@@ -164,12 +167,6 @@ class PostgresRequest:
                 if not retry or self._unresponsive:
                     raise StoreUnavailableError(f"{what} failed: {type(exc).__name__}") from exc
                 retry = False
-
-    def _lost(self, exc: BaseException) -> bool:
-        """Whether ``exc`` on this request's connection means it is gone; one cut at
-        its deadline marks the request unresponsive."""
-        self._unresponsive = self._unresponsive or isinstance(exc, NoAnswer)
-        return self._unresponsive or is_unreachable(exc, self._conn)
 
     def _drop(self, *, peers: bool = True) -> None:
         """Give back a connection that failed: it is not reused, nor (when the
@@ -241,11 +238,6 @@ class PostgresRequest:
             return Claimed(sql.new_token())  # names the attempt; the locks fence
         return _existing(*row[2:9])
 
-    def held(self) -> Connection:
-        """This request's connection (taken from the pool if it has none yet),
-        whatever its transaction state; nothing is sent."""
-        return self._acquire()
-
     def connection(self) -> Connection:
         """The connection, in this request's transaction (opened now if it is not).
         Nothing of the transaction exists before, so a pooled connection that died
@@ -254,22 +246,18 @@ class PostgresRequest:
         if not self._in_transaction:
             self._send("BEGIN", "BEGIN", retry=True)
             self._in_transaction = True
-        return self._acquire()
+        return self.held()
 
     def complete(self, record_key: bytes, token: int, response: StoredResponse) -> None:
         """Store ``response`` and commit, with the view's transaction if it opened one,
         in one round trip; ``LeaseLostError`` if the record was taken over."""
-        answer = sql.response_params(response)
-        statements = self._store.statements
-        params: tuple[Any, ...]
-        if self._claimed is not None:
-            fingerprint, ttl = self._claimed
-            text, params = statements.insert_completed, (record_key, fingerprint, ttl, *answer)
-        else:
-            text, params = statements.complete, (record_key, token, *answer)
+        text = self._store.statements.complete
+        head: tuple[Any, ...] = (record_key, token)
+        if self._claimed is not None:  # (the record is inserted: fingerprint and TTL)
+            text, head = self._store.statements.insert_completed, (record_key, *self._claimed)
         if not self._in_transaction:
             text = "BEGIN;\n" + text  # (its COMMIT must end a transaction)
-        self._send("completion", text, params)
+        self._send("completion", text, (*head, *sql.response_params(response)))
         self._in_transaction = False
         self._claimed = None
 
@@ -324,10 +312,10 @@ class PostgresRequest:
             # Lost under the view (its session is gone, and with it the transaction):
             # the release goes on a fresh connection.
             self._drop(peers=False)
-        statements = self._store.statements
-        text = statements.end_lease if self.has_progress else statements.release
+        text = self._store.statements.timeouts
         if self._in_transaction:
             text = "ROLLBACK;\n" + text
+        text += sql.END_LEASE if self.has_progress else sql.RELEASE
         try:
             self._send("release", text, (record_key, token))
             self._in_transaction = False
@@ -354,7 +342,7 @@ class PostgresRequest:
 
 #: How a claim is sent: one deadline for the pool, a connect and the statement, and
 #: once more on a fresh connection if a pooled one turns out dead.
-CLAIMING: dict[str, bool] = {"fetch": True, "retry": True, "bounded": True}
+CLAIMING: dict[str, bool] = {"retry": True, "bounded": True}
 
 
 def _existing(

@@ -45,13 +45,6 @@ FIX = (
     "whose upgrade() calls flask_idempotency.alembic.upgrade_schema(op))"
 )
 
-#: Which of the ledger and the records table exist (``NULL`` from ``to_regclass``
-#: when not): one round trip, the second only when the ledger is there.
-PRESENCE = (
-    "SELECT to_regclass('idempotency_schema_migrations') IS NOT NULL,"
-    " to_regclass('idempotency_records') IS NOT NULL"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -87,7 +80,7 @@ def inspect(cur: Any, names: list[str]) -> Problem | None:
     nothing here can tell what it lacks, so it is not judged (a statement that
     then fails still names the missing object, :func:`mismatch`).
     """
-    cur.execute(PRESENCE)
+    cur.execute(migrations.PRESENCE)  # (the ledger's read follows only if it exists)
     ledger, records = cur.fetchall()[0]
     if records and not ledger:
         return None

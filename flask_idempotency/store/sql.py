@@ -110,7 +110,6 @@ DELETE FROM idempotency_records r USING doomed
  WHERE r.record_key = doomed.record_key
 RETURNING r.record_key
 """
-COUNT_EXPIRED = "SELECT count(*) FROM idempotency_records WHERE expires_at <= now()"
 
 INFO = """
 SELECT state, created_at, expires_at, completed_at, lease_expires_at, status_code, body,
@@ -220,22 +219,21 @@ def lock_timeout_arg(statement_timeout: float, lock_timeout: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Statements:
-    """One text per operation, for one store's settings, each sent as one round
-    trip. The request path's (claim, completion, completed record) are one call
-    each of a schema function that sets its own lock timeout; the rest start with
-    the store's ``SET LOCAL`` timeouts. A request adds only what its transaction's
-    state needs: ``BEGIN`` before a completion or a recovery point when the view
-    opened none (``COMMIT`` must end a transaction), ``ROLLBACK`` before a release
-    when it did."""
+    """The request path's texts, for one store's settings, each sent as one round
+    trip: the claim, completion and completed record are one call each of a schema
+    function that sets its own lock timeout; a recovery point, and every other
+    statement (a release, a renewal, a health check, maintenance), starts with the
+    store's ``SET LOCAL`` :attr:`timeouts`. A request adds only what its
+    transaction's state needs: ``BEGIN`` before a completion or a recovery point
+    when the view opened none (``COMMIT`` must end a transaction), ``ROLLBACK``
+    before a release when it did."""
 
     claim: str
     complete: str
     insert_completed: str
     checkpoint: str
-    release: str
-    end_lease: str
-    renew: str
-    ping: str
+    #: ``SET LOCAL`` of both timeouts (:func:`timeouts_sql`), sent before the others.
+    timeouts: str
 
     @classmethod
     def build(cls, settings: Any) -> Statements:
@@ -251,10 +249,7 @@ class Statements:
             # The view's transaction so far commits with the recovery point, and the
             # next one opens in the same round trip.
             checkpoint=timeouts + CHECKPOINT + ";\nCOMMIT;\nBEGIN",
-            release=timeouts + RELEASE,
-            end_lease=timeouts + END_LEASE,
-            renew=timeouts + RENEW,
-            ping=timeouts + "SELECT 1",
+            timeouts=timeouts,
         )
 
 

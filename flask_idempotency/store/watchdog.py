@@ -45,8 +45,7 @@ POLL_INTERVAL = 0.1
 
 
 class Watchdog:
-    def __init__(self, poll_interval: float = POLL_INTERVAL) -> None:
-        self._poll_interval = poll_interval
+    def __init__(self) -> None:
         self._tickets = itertools.count(1)
         #: ticket -> (deadline on the monotonic clock, connection, called when it fires)
         self._watched: dict[int, tuple[float, Any, Callable[[], None] | None]] = {}
@@ -91,7 +90,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while True:
-            time.sleep(self._poll_interval)
+            time.sleep(POLL_INTERVAL)
             if not self._watched:
                 continue
             try:

@@ -73,7 +73,7 @@ def pgbouncer(ctx: Context) -> Check:
     """Whether the app talks to PostgreSQL through a pooler (PgBouncer), and in which
     mode. The extension prepares no statements and keeps no session state between
     transactions, so every pool mode works; this says what sits in between."""
-    with ctx.store.autocommit() as conn:
+    with ctx.store.pool.connection() as conn:
         client_port = int(getattr(conn.info, "port", 0) or 0)
     server_port, dbname, _, version = ctx.store.read(SERVER_SIDE)[0]
     if not client_port or client_port == server_port:
