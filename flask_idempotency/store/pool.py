@@ -301,7 +301,8 @@ class EnginePool:
         try:
             yield conn
         except driver.ERRORS as exc:
-            discard = unreachable = is_unreachable(exc, conn)
+            unreachable = is_unreachable(exc, conn)
+            discard = discard or unreachable
             reason = f"{type(exc).__name__}: {exc}".strip()
             raise mismatch(exc) or StoreUnavailableError(reason) from exc
         finally:

@@ -277,8 +277,8 @@ class PostgresRequest:
     def count_recovered(self) -> None:
         """Count one more recovered record in this request's transaction (the
         completer's total commits with the recovered answer, or not at all)."""
-        with self.connection().cursor() as cur:
-            cur.execute(sql.BUMP_RECOVERY_TOTAL, ("recovered",))
+        self.connection()  # (in the transaction: BEGIN now if it is not)
+        self._send("recovery count", sql.BUMP_RECOVERY_TOTAL, ("recovered",))
 
     def rollback(self) -> None:
         """Roll back the view's transaction, if it opened one (best effort: a
