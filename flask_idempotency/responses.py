@@ -176,12 +176,8 @@ def replay(
 ) -> Response:
     """The stored answer as a response, without what no replay may carry
     (``Set-Cookie``, hop-by-hop headers, ``not_replayed``), whatever was stored."""
-    matches = per_request(not_replayed)
-    headers = [
-        pair
-        for pair in stored.headers
-        if pair[0].lower() not in NOT_REPLAYED_HEADERS and not matches(pair[0])
-    ]
+    answer = answer_only(stored, not_replayed)
+    headers = [pair for pair in answer.headers if pair[0].lower() not in NOT_REPLAYED_HEADERS]
     response = Response(stored.body, status=stored.status, headers=headers)
     response.headers[profile.replayed_header] = "true"
     return response

@@ -48,9 +48,7 @@ def authorization_scope(request: Request) -> str | None:
     the token instead (:func:`user_scope`) whenever the app can name it.
     """
     authorization = request.headers.get("Authorization")
-    if not authorization:
-        return None
-    return authorization_digest(authorization)
+    return authorization_digest(authorization) if authorization else None
 
 
 def authorization_digest(authorization: str) -> str:

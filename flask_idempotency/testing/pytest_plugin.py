@@ -135,12 +135,14 @@ def idempotency_postgresql(request: pytest.FixtureRequest) -> Any:
     """The PostgreSQL server the idempotency databases live on (a pytest-postgresql executor)."""
     dsn = request.config.stash[_dsn_key]
     if dsn:
-        from flask_idempotency.testing.databases import check_reachable
+        import psycopg2
 
+        # libpq's message names the host and port it tried, never the password.
         try:
-            check_reachable(dsn)
-        except RuntimeError as exc:  # fail, never skip: a CI run without its database is red
-            pytest.fail(f"--idempotency-dsn is set but unusable: {exc}", pytrace=False)
+            psycopg2.connect(dsn, connect_timeout=5).close()
+        except psycopg2.Error as exc:  # fail, never skip: a CI run without its database is red
+            reason = f"PostgreSQL is unreachable: {exc}"
+            pytest.fail(f"--idempotency-dsn is set but unusable: {reason}", pytrace=False)
         return request.getfixturevalue(NOPROC_FIXTURE)
     if not request.config.pluginmanager.has_plugin("pytest_postgresql"):
         pytest.fail(_INSTALL_HINT, pytrace=False)
