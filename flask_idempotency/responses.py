@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable
 
 from flask import Response
+from werkzeug.http import parse_set_header
 
 from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, SHOULD_RETRY_HEADER, STRIPE, Profile
 from .store.base import StoredResponse
@@ -198,11 +199,8 @@ def echo_key(response: Response, key_header: str, raw_key: str) -> None:
 
 def expose_headers(response: Response, key_header: str) -> None:
     """Add the extension's headers to ``Access-Control-Expose-Headers`` (CORS)."""
-    present = {
-        name.strip().lower()
-        for value in response.headers.get_all("Access-Control-Expose-Headers")
-        for name in value.split(",")
-    }
-    missing = [h for h in (*EXPOSED_HEADERS, key_header) if h.lower() not in present]
+    exposed = response.headers.get_all("Access-Control-Expose-Headers")
+    present = parse_set_header(", ".join(exposed))  # (its `in` ignores case)
+    missing = [h for h in (*EXPOSED_HEADERS, key_header) if h not in present]
     if missing:
         response.headers.add("Access-Control-Expose-Headers", ", ".join(missing))
