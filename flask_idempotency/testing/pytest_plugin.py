@@ -65,9 +65,9 @@ _dsn_key = pytest.StashKey[str]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("flask-idempotency", "flask-idempotency fixtures")
+    # Each option's dest is argparse's, its long name with "_" for "-" (idempotency_dsn...).
     group.addoption(
         "--idempotency-dsn",
-        dest="idempotency_dsn",
         metavar="DSN",
         help=(
             "PostgreSQL server for the idempotency_database fixture (its databases are "
@@ -76,7 +76,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--idempotency-db-scope",
-        dest="idempotency_db_scope",
         choices=_SCOPES,
         help="a new idempotency_database per test (function, the default) or one per session",
     )
