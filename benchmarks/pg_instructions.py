@@ -70,8 +70,8 @@ def counted_postgres(bindir: Path) -> Iterator[tuple[str, Path]]:
     prefix: list[str] = []
     if running_as_root():
         runs_as = account()
-        os.chown(workdir, runs_as.uid, runs_as.gid)
-        prefix = ["runuser", "-u", runs_as.name, "--"]
+        os.chown(workdir, runs_as.pw_uid, runs_as.pw_gid)
+        prefix = ["runuser", "-u", runs_as.pw_name, "--"]
     data, counts, port = workdir / "data", workdir / "counts", free_port()
     subprocess.run([*prefix, "mkdir", str(counts)], check=True)  # (owned by the server's account)
     subprocess.run(

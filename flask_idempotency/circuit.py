@@ -8,7 +8,8 @@ breaker, its failure opens it for another cooldown.
 
 Two breakers use it: the Redis cache's (``cache/redis.py``: requests skip the
 cache and go to PostgreSQL) and the store's (``store/breaker.py``: requests
-answer 503 at once instead of queueing behind a frozen PostgreSQL).
+answer 503 at once instead of queueing behind a frozen PostgreSQL). The cache's
+keyring uses one of threshold 1 to space its reads of the database's identity.
 
 The breaker reads an injectable clock, so tests move time instead of sleeping.
 """

@@ -12,24 +12,15 @@ from typing import Any
 #: ``STORAGE_URI`` goes with ``STORAGE_OPTIONS``: the database's
 #: (``IDEMPOTENCY_DATABASE_OPTIONS``, beside ``IDEMPOTENCY_DATABASE_URL``), the Redis
 #: cache's (``IDEMPOTENCY_REDIS_OPTIONS``) and the broker's
-#: (``IDEMPOTENCY_BROKER_OPTIONS``). Group -> option -> the :class:`Settings` field.
+#: (``IDEMPOTENCY_BROKER_OPTIONS``). Group -> option -> the :class:`Settings` field:
+#: the option's own name, or with the prefix its group gives it.
+_DATABASE = ("pool_size", "pool_timeout", "connect_timeout", "statement_timeout", "lock_timeout")
+_BREAKER = ("breaker_threshold", "breaker_cooldown")
 OPTION_GROUPS: dict[str, dict[str, str]] = {
-    "database_options": {
-        "pool_size": "pool_size",
-        "pool_timeout": "pool_timeout",
-        "connect_timeout": "connect_timeout",
-        "statement_timeout": "statement_timeout",
-        "lock_timeout": "lock_timeout",
-        "async_claim_commit": "async_claim_commit",
-        "breaker_threshold": "store_breaker_threshold",
-        "breaker_cooldown": "store_breaker_cooldown",
-    },
+    "database_options": {option: option for option in (*_DATABASE, "async_claim_commit")}
+    | {option: f"store_{option}" for option in _BREAKER},
     "redis_options": {
-        "prefix": "redis_prefix",
-        "timeout": "redis_timeout",
-        "breaker_threshold": "redis_breaker_threshold",
-        "breaker_cooldown": "redis_breaker_cooldown",
-        "fill": "redis_fill",
+        option: f"redis_{option}" for option in ("prefix", "timeout", *_BREAKER, "fill")
     },
     "broker_options": {"exchange": "events_exchange"},
 }

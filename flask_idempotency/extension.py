@@ -8,6 +8,7 @@ runs. The decorators are ``decorators.py``'s.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable, Iterator
@@ -257,11 +258,7 @@ class Idempotency:
             # attempts show only as takeovers, and count against the same limit.
             max_worker_losses=max_attempts,
         )
-
-        def decorator(handler: Handler) -> ConsumerGuard:
-            return events_consumer.ConsumerGuard(handler, options)
-
-        return decorator
+        return functools.partial(events_consumer.ConsumerGuard, options=options)
 
     def derived_key(self, purpose: str) -> str:
         """A key for a downstream call, derived from this request's record (scope

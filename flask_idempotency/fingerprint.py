@@ -97,15 +97,10 @@ class Fingerprinter:
     canonical body as it streams in, giving the same bytes as hashing it whole."""
 
     def __init__(self, method: str, path: str, query: bytes) -> None:
-        h = hashlib.sha256()
-        h.update(method.upper().encode("ascii", "replace"))
-        h.update(b"\x00")
-        h.update(path.encode("utf-8", "surrogateescape"))
-        if query:
-            h.update(b"?")
-            h.update(query)
-        h.update(b"\x00")
-        self._h = h
+        # The request line: method NUL path[?query] NUL, then the body.
+        verb = method.upper().encode("ascii", "replace")
+        target = path.encode("utf-8", "surrogateescape") + (b"?" + query if query else b"")
+        self._h = hashlib.sha256(verb + b"\x00" + target + b"\x00")
         self._kept = bytearray()
         self._size = 0
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from flask import Request
 
-from .errors import InvalidKey, MissingKey, ScopeUnavailable
+from .errors import InvalidKey, ScopeUnavailable
 
 log = logging.getLogger("flask_idempotency.requests")
 
@@ -54,13 +54,6 @@ def parse_key(raw: str | None) -> str | None:
         raise InvalidKey()
     if not key or len(key) > MAX_KEY_LENGTH or not _VISIBLE_ASCII.issuperset(key):
         raise InvalidKey()
-    return key
-
-
-def require_key(raw: str | None) -> str:
-    key = parse_key(raw)
-    if key is None:
-        raise MissingKey()
     return key
 
 

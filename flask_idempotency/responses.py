@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable
 
 from flask import Response
+from werkzeug.http import parse_set_header
 
 from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, SHOULD_RETRY_HEADER, STRIPE, Profile
 from .store.base import StoredResponse
@@ -176,12 +177,8 @@ def replay(
 ) -> Response:
     """The stored answer as a response, without what no replay may carry
     (``Set-Cookie``, hop-by-hop headers, ``not_replayed``), whatever was stored."""
-    matches = per_request(not_replayed)
-    headers = [
-        pair
-        for pair in stored.headers
-        if pair[0].lower() not in NOT_REPLAYED_HEADERS and not matches(pair[0])
-    ]
+    answer = answer_only(stored, not_replayed)
+    headers = [pair for pair in answer.headers if pair[0].lower() not in NOT_REPLAYED_HEADERS]
     response = Response(stored.body, status=stored.status, headers=headers)
     response.headers[profile.replayed_header] = "true"
     return response
@@ -202,11 +199,8 @@ def echo_key(response: Response, key_header: str, raw_key: str) -> None:
 
 def expose_headers(response: Response, key_header: str) -> None:
     """Add the extension's headers to ``Access-Control-Expose-Headers`` (CORS)."""
-    present = {
-        name.strip().lower()
-        for value in response.headers.get_all("Access-Control-Expose-Headers")
-        for name in value.split(",")
-    }
-    missing = [h for h in (*EXPOSED_HEADERS, key_header) if h.lower() not in present]
+    exposed = response.headers.get_all("Access-Control-Expose-Headers")
+    present = parse_set_header(", ".join(exposed))  # (its `in` ignores case)
+    missing = [h for h in (*EXPOSED_HEADERS, key_header) if h not in present]
     if missing:
         response.headers.add("Access-Control-Expose-Headers", ", ".join(missing))

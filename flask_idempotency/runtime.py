@@ -27,6 +27,7 @@ from .errors import (
     IdempotencyError,
     KeyReused,
     LeaseLost,
+    MissingKey,
     RequestInProgress,
     ResponseNotStorable,
     ResponseTooLarge,
@@ -76,7 +77,7 @@ def run_view(
         if req.method not in SAFE_METHODS:
             key = keys.parse_key(req.environ.get(settings.key_environ_name))
             if key is None and options.required:
-                keys.require_key(None)
+                raise MissingKey()
         if key is not None:
             scope = keys.resolve_scope(route.scope_func, req)
             read_body(req)

@@ -48,9 +48,7 @@ def authorization_scope(request: Request) -> str | None:
     the token instead (:func:`user_scope`) whenever the app can name it.
     """
     authorization = request.headers.get("Authorization")
-    if not authorization:
-        return None
-    return authorization_digest(authorization)
+    return authorization_digest(authorization) if authorization else None
 
 
 def authorization_digest(authorization: str) -> str:
@@ -96,10 +94,7 @@ def _flask_login_user_id() -> Any:
     ``app.login_manager``; any other process pays one dict lookup.
     """
     flask_login: Any = sys.modules.get("flask_login")
-    if flask_login is None:
-        return None
-    app = current_app._get_current_object()  # type: ignore[attr-defined]
-    if getattr(app, "login_manager", None) is None:
+    if flask_login is None or getattr(current_app, "login_manager", None) is None:
         return None
     user = flask_login.current_user
     return user.get_id() if getattr(user, "is_authenticated", False) else None

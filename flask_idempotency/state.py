@@ -126,11 +126,10 @@ def app_state(app: Flask | None = None) -> AppState:
 
 def find_app_state(app: Flask | None = None) -> AppState | None:
     """The state on ``app`` (or the current app, if there is one), else ``None``."""
-    if app is None:
-        if not has_app_context():
-            return None
-        app = current_app
-    state: AppState | None = app.extensions.get(EXTENSION_KEY)
+    if app is None and not has_app_context():
+        return None
+    extensions = (app if app is not None else current_app).extensions
+    state: AppState | None = extensions.get(EXTENSION_KEY)
     return state
 
 

@@ -123,15 +123,7 @@ def decode(value: bytes, *, max_body: int | None = None) -> Entry:
         raise CorruptEntry(f"unknown flags {flags:#04x}")
     reader = _Reader(value, _PREFIX.size)
     fingerprint = reader.framed()
-    headers = []
-    for _ in range(reader.number(_U16)):
-        name, field = reader.framed(), reader.framed()
-        try:
-            headers.append(
-                (name.decode("utf-8", _TEXT_ERRORS), field.decode("utf-8", _TEXT_ERRORS))
-            )
-        except UnicodeDecodeError:
-            raise CorruptEntry("header is not UTF-8") from None
+    headers = [(reader.text(), reader.text()) for _ in range(reader.number(_U16))]
     body = reader.framed(_U32)
     if reader.offset != len(value):
         raise CorruptEntry("bytes after the body")
@@ -183,3 +175,10 @@ class _Reader:
     def framed(self, length: struct.Struct = _U16) -> bytes:
         """Bytes preceded by their length, a ``u16`` unless said otherwise."""
         return self._take(self.number(length))
+
+    def text(self) -> str:
+        """A header's name or value: framed UTF-8."""
+        try:
+            return self.framed().decode("utf-8", _TEXT_ERRORS)
+        except UnicodeDecodeError:
+            raise CorruptEntry("header is not UTF-8") from None

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..circuit import CircuitBreaker
+
 log = logging.getLogger("flask_idempotency.cache")
 
 #: Labels the derived key, and changes with the entry format: a key derived for
@@ -113,28 +115,24 @@ class LazyKeyring:
     ) -> None:
         self._secrets = list(secrets)
         self._identity = identity
-        self._clock = clock
+        #: Opened by a failed read: the next is tried ``IDENTITY_RETRY`` later.
+        self._retry = CircuitBreaker(1, IDENTITY_RETRY, clock=clock)
         self._lock = threading.Lock()
         self._ring: Keyring | None = None
-        self._retry_at: float | None = None
 
     def get(self) -> Keyring | None:
         """The keyring, or ``None`` while the identity cannot be read (a miss)."""
         with self._lock:
-            if self._ring is not None:
+            if self._ring is not None or not self._retry.allow():
                 return self._ring
-            now = self._clock()
-            if self._retry_at is not None and now < self._retry_at:
-                return None
             try:
                 self._ring = Keyring(self._secrets, self._identity())
             except Exception as exc:
-                self._retry_at = now + IDENTITY_RETRY
+                self._retry.failure()
                 log.warning(
                     "idempotency: the database's identity could not be read (%s); the "
                     "Redis cache is skipped for %.0f s",
                     type(exc).__name__,
                     IDENTITY_RETRY,
                 )
-                return None
             return self._ring

@@ -86,7 +86,6 @@ class RedisCache(ResponseCache):
         secrets: Sequence[bytes],
         identity: Callable[[], bytes],
         clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """The cache ``IDEMPOTENCY_REDIS`` (a client used as it is: its timeouts are
         the application's) or ``IDEMPOTENCY_REDIS_URL`` (a client built for a
@@ -96,8 +95,6 @@ class RedisCache(ResponseCache):
         self.client, self._owns_client = client_for_settings(settings)
         #: Derived from ``secrets`` and the database's ``identity`` on first use.
         self.keyring = LazyKeyring(secrets, identity, clock=clock)
-        #: Entries expire at a wall-clock time, shared by every worker and host.
-        self._wall_clock = wall_clock
         self.prefix = settings.redis_prefix
         self.max_body = settings.max_stored_body
         self.breaker = CircuitBreaker(
@@ -145,7 +142,7 @@ class RedisCache(ResponseCache):
             return self._rejected(record_key, "unverified", str(exc))
         except codec.CorruptEntry as exc:  # sealed by us, yet unreadable: a bug, not an attack
             return self._rejected(record_key, "corrupt", f"{type(exc).__name__}: {exc}")
-        if entry.expires_at <= self._wall_clock() * 1000:
+        if entry.expires_at <= time.time() * 1000:
             return self._rejected(record_key, "expired", "older than its record")
         # Its headers go out through responses.replay(), which drops Set-Cookie and
         # the per-request headers whatever an entry holds.
@@ -173,7 +170,8 @@ class RedisCache(ResponseCache):
         ring = self.keyring.get()
         if ring is None:
             return
-        expires_at = int(self._wall_clock() * 1000) + px
+        # Entries expire at a wall-clock time, shared by every worker and host.
+        expires_at = int(time.time() * 1000) + px
         try:
             payload = codec.encode(fingerprint, response, expires_at=expires_at)
         except codec.CodecError as exc:
@@ -337,9 +335,8 @@ class _RateLimitedLog:
     into the next warning, so an outage at request rate is a line every few
     seconds that still says how much was hidden."""
 
-    def __init__(self, clock: Callable[[], float], interval: float = LOG_INTERVAL) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._interval = interval
         self._lock = threading.Lock()
         self._last: float | None = None
         self._suppressed = 0
@@ -347,13 +344,12 @@ class _RateLimitedLog:
     def warning(self, msg: str, *args: object) -> None:
         with self._lock:
             now = self._clock()
-            if self._last is not None and now - self._last < self._interval:
+            quiet = self._last is not None and now - self._last < LOG_INTERVAL
+            if quiet:
                 self._suppressed += 1
-                loud = False
             else:
                 self._last, suppressed, self._suppressed = now, self._suppressed, 0
-                loud = True
-        if not loud:
+        if quiet:
             log.debug(msg, *args)
         elif suppressed:
             log.warning(msg + " (%d similar messages suppressed)", *args, suppressed)

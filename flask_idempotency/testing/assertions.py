@@ -52,6 +52,8 @@ PREVIEW_BYTES = 40
 
 _MISSING: Any = object()
 
+_CONNECTIONS = {"http": http.client.HTTPConnection, "https": http.client.HTTPSConnection}
+
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
@@ -115,16 +117,13 @@ class _Request:
 
 def _send(request: _Request) -> Answer:
     parts = urlsplit(request.url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    conn_class = _CONNECTIONS.get(parts.scheme)
+    if conn_class is None or not parts.hostname:
         raise ValueError("assert_idempotent needs an http:// or https:// URL")
     target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn_class = (
-        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    )
     headers = {**request.headers, "Connection": "close"}
-    with contextlib.closing(
-        conn_class(parts.hostname, parts.port, timeout=request.timeout)
-    ) as conn:
+    conn = conn_class(parts.hostname, parts.port, timeout=request.timeout)
+    with contextlib.closing(conn):
         conn.request(request.method, target, body=request.body, headers=headers)
         response = conn.getresponse()
         fields = response.msg  # case-insensitive; get_all() gives a repeated header's values

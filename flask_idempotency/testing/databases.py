@@ -34,17 +34,6 @@ def next_name(base: str) -> str:
     return f"{base}_{next(_counter)}"
 
 
-def check_reachable(dsn: str) -> None:
-    """Raise ``RuntimeError`` unless PostgreSQL at ``dsn`` accepts a connection. libpq's
-    message names the host and port it tried, never the password."""
-    import psycopg2
-
-    try:
-        psycopg2.connect(dsn, connect_timeout=5).close()
-    except psycopg2.Error as exc:
-        raise RuntimeError(f"PostgreSQL is unreachable: {exc}") from None
-
-
 def noproc_arguments(dsn: str) -> dict[str, Any]:
     """pytest-postgresql's noproc factory arguments for the server ``dsn`` names."""
     import psycopg2.extensions

@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     from werkzeug.serving import BaseWSGIServer
 
 
-#: How long ``stop()`` waits for the serving thread once the server is shut down.
-_JOIN_SECONDS = 10.0
 #: Loopback only: a test server is nobody else's business.
 _HOST = "127.0.0.1"
 
@@ -33,7 +31,6 @@ class LiveServer:
     def __init__(self, app: Flask) -> None:
         self.app = app
         self._server: BaseWSGIServer | None = None
-        self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
@@ -58,24 +55,22 @@ class LiveServer:
                 pass
 
         self._server = make_server(_HOST, 0, self.app, threaded=True, request_handler=QuietHandler)
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": 0.05},
             name=f"flask-idempotency live server :{self.port}",
             daemon=True,
-        )
-        self._thread.start()
+        ).start()
         return self
 
     def stop(self) -> None:
-        """Stop accepting requests and close the listening socket."""
+        """Stop accepting requests and close the listening socket. ``shutdown()``
+        returns once the serving thread's ``serve_forever`` loop has ended."""
         if self._server is None:
             return
         self._server.shutdown()
         self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(_JOIN_SECONDS)
-        self._server = self._thread = None
+        self._server = None
 
     def __enter__(self) -> LiveServer:
         return self.start()

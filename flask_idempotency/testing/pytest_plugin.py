@@ -39,11 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+# Already loaded with the package (its __init__ exports from them); neither imports
+# pytest-postgresql, psycopg2 or werkzeug's server before a function of it runs.
+from flask_idempotency.testing import databases
+from flask_idempotency.testing.live_server import LiveServer
+
 if TYPE_CHECKING:
     from flask import Flask
-
-    from flask_idempotency.testing.databases import IdempotencyDatabase
-    from flask_idempotency.testing.live_server import LiveServer
 
 #: Environment variable naming an existing server, as ``--idempotency-dsn`` does.
 DSN_ENV = "IDEMPOTENCY_TEST_DSN"
@@ -63,9 +65,9 @@ _dsn_key = pytest.StashKey[str]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("flask-idempotency", "flask-idempotency fixtures")
+    # Each option's dest is argparse's, its long name with "_" for "-" (idempotency_dsn...).
     group.addoption(
         "--idempotency-dsn",
-        dest="idempotency_dsn",
         metavar="DSN",
         help=(
             "PostgreSQL server for the idempotency_database fixture (its databases are "
@@ -74,7 +76,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--idempotency-db-scope",
-        dest="idempotency_db_scope",
         choices=_SCOPES,
         help="a new idempotency_database per test (function, the default) or one per session",
     )
@@ -107,14 +108,10 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_postgresql import factories
     except ImportError:
         raise pytest.UsageError(f"--idempotency-dsn: {_INSTALL_HINT}") from None
-    from flask_idempotency.testing.databases import base_name, noproc_arguments
-
+    server = databases.noproc_arguments(dsn)
     holder = types.ModuleType("flask_idempotency.testing._noproc_fixture")
-    setattr(
-        holder,
-        NOPROC_FIXTURE,
-        factories.postgresql_noproc(**noproc_arguments(dsn), dbname=base_name()),
-    )
+    fixture = factories.postgresql_noproc(**server, dbname=databases.base_name())
+    setattr(holder, NOPROC_FIXTURE, fixture)
     config.pluginmanager.register(holder, "flask_idempotency_noproc")
 
 
@@ -135,12 +132,14 @@ def idempotency_postgresql(request: pytest.FixtureRequest) -> Any:
     """The PostgreSQL server the idempotency databases live on (a pytest-postgresql executor)."""
     dsn = request.config.stash[_dsn_key]
     if dsn:
-        from flask_idempotency.testing.databases import check_reachable
+        import psycopg2
 
+        # libpq's message names the host and port it tried, never the password.
         try:
-            check_reachable(dsn)
-        except RuntimeError as exc:  # fail, never skip: a CI run without its database is red
-            pytest.fail(f"--idempotency-dsn is set but unusable: {exc}", pytrace=False)
+            psycopg2.connect(dsn, connect_timeout=5).close()
+        except psycopg2.Error as exc:  # fail, never skip: a CI run without its database is red
+            reason = f"PostgreSQL is unreachable: {exc}"
+            pytest.fail(f"--idempotency-dsn is set but unusable: {reason}", pytrace=False)
         return request.getfixturevalue(NOPROC_FIXTURE)
     if not request.config.pluginmanager.has_plugin("pytest_postgresql"):
         pytest.fail(_INSTALL_HINT, pytrace=False)
@@ -187,8 +186,6 @@ def idempotency_database_template(
     request: pytest.FixtureRequest, idempotency_postgresql: Any
 ) -> Iterator[str]:
     """Name of the session's template database: the extension's tables, migrated once."""
-    from flask_idempotency.testing import databases
-
     server = idempotency_postgresql
     dsn = request.config.stash[_dsn_key] or None
     extra_dirs = _migration_dirs(request.config)
@@ -208,10 +205,8 @@ def idempotency_database_template(
 @pytest.fixture(scope=_database_scope)
 def idempotency_database(
     request: pytest.FixtureRequest, idempotency_postgresql: Any, idempotency_database_template: str
-) -> Iterator[IdempotencyDatabase]:
+) -> Iterator[databases.IdempotencyDatabase]:
     """A throwaway database with the extension's tables; ``.dsn`` is its URL."""
-    from flask_idempotency.testing import databases
-
     server = idempotency_postgresql
     name = databases.next_name(databases.base_name())
     # Its drop at the end also ends the connections the app's pool still holds.
@@ -221,7 +216,7 @@ def idempotency_database(
 
 
 @pytest.fixture(scope=_database_scope)
-def idempotency_dsn(idempotency_database: IdempotencyDatabase) -> str:
+def idempotency_dsn(idempotency_database: databases.IdempotencyDatabase) -> str:
     """The URL of ``idempotency_database``: your app's ``IDEMPOTENCY_DATABASE_URL``."""
     return idempotency_database.dsn
 
@@ -233,7 +228,5 @@ def idempotency_live_server() -> Iterator[Callable[[Flask], LiveServer]]:
     A threaded HTTP server in this process, so concurrent requests really run
     concurrently; stopped at the end of the test.
     """
-    from flask_idempotency.testing.live_server import LiveServer
-
     with contextlib.ExitStack() as started:  # stops them, the last started first
         yield lambda app: started.enter_context(LiveServer(app))

@@ -17,6 +17,7 @@ wrapper (tests/support/postgres_proc.py), with the two options of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shlex
@@ -25,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 #: What to do instead, at the end of every failure this module reports.
 USE_A_SERVER = (
@@ -81,12 +81,6 @@ os.execve(REAL, [REAL] + out, env)
 """
 
 
-class Account(NamedTuple):
-    name: str
-    uid: int
-    gid: int
-
-
 class CannotRunUnprivileged(RuntimeError):
     """Running as root, with no way to run PostgreSQL as someone else."""
 
@@ -95,15 +89,12 @@ def running_as_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def account() -> Account:
+def account() -> pwd.struct_passwd:
     """The account PostgreSQL runs as: ``nobody`` (owns nothing, exists everywhere),
     else ``postgres``."""
     for name in ("nobody", "postgres"):
-        try:
-            entry = pwd.getpwnam(name)
-        except KeyError:
-            continue
-        return Account(name, entry.pw_uid, entry.pw_gid)
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)
     raise CannotRunUnprivileged(
         "pytest runs as root, which PostgreSQL refuses, and there is no 'nobody' or "
         f"'postgres' account to run it as: {USE_A_SERVER}"
@@ -136,14 +127,14 @@ def is_script(path: str) -> bool:
         return False
 
 
-def can_run(path: Path, runs_as: Account) -> bool:
+def can_run(path: Path, runs_as: pwd.struct_passwd) -> bool:
     """Whether ``runs_as`` (with no supplementary groups, as the wrapper runs it) may
     run ``path``: asked of the system itself, by running ``path --version`` as it."""
     try:
         done = subprocess.run(
             [str(path), "--version"],
-            user=runs_as.uid,
-            group=runs_as.gid,
+            user=runs_as.pw_uid,
+            group=runs_as.pw_gid,
             extra_groups=[],
             capture_output=True,
             timeout=30,
@@ -170,20 +161,20 @@ def wrapper_for(
     real = Path(pg_ctl).resolve()
     if not can_run(real, runs_as):
         raise CannotRunUnprivileged(
-            f"pytest runs as root, so PostgreSQL must run as '{runs_as.name}', who cannot "
+            f"pytest runs as root, so PostgreSQL must run as '{runs_as.pw_name}', who cannot "
             f"reach {real} (give --postgresql-exec a pg_ctl every user can run), or "
             f"{USE_A_SERVER}"
         )
     workdir.chmod(0o711)  # the account passes through to its own directory, lists nothing
     homes = workdir / "data"
     homes.mkdir(mode=0o700)
-    os.chown(homes, runs_as.uid, runs_as.gid)
+    os.chown(homes, runs_as.pw_uid, runs_as.pw_gid)
     shim = workdir / "pg_ctl_as_user.py"
     shim.write_text(
         _SHIM.format(
             real=str(real),
-            uid=runs_as.uid,
-            gid=runs_as.gid,
+            uid=runs_as.pw_uid,
+            gid=runs_as.pw_gid,
             homes=str(homes),
             initdb_options=initdb_options,
             clean_env=clean_environment,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flask_idempotency import InvalidKey, MissingKey
+from flask_idempotency import InvalidKey
 from flask_idempotency.digests import derived_key, log_key, record_key
 from flask_idempotency.fingerprint import canonical_body, fingerprint
 from flask_idempotency.flow import (
@@ -22,7 +22,7 @@ from flask_idempotency.flow import (
     retry_after_seconds,
     settlement,
 )
-from flask_idempotency.keys import parse_key, require_key
+from flask_idempotency.keys import parse_key
 from flask_idempotency.settings import default_should_store, settings_from_config
 from flask_idempotency.store.base import Claimed, Existing, StoredResponse
 
@@ -52,9 +52,7 @@ def test_invalid_keys(raw: str) -> None:
 
 
 def test_missing_key() -> None:
-    assert parse_key(None) is None
-    with pytest.raises(MissingKey):
-        require_key(None)
+    assert parse_key(None) is None  # (a required route answers MissingKey: test_semantics)
 
 
 def test_record_key_separates_scopes_and_is_unambiguous() -> None:
