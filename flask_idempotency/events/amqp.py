@@ -134,7 +134,7 @@ class Publisher:
 
     def send(self, producer: Any, event: OutboxEvent) -> None:
         """Publish ``event`` with ``producer`` and wait for its confirm; whatever this
-        raises is the broker's failure (:meth:`publish` closes the connection and
+        raises is the broker's failure (``publish()`` closes the connection and
         raises :class:`~.relay.BrokerUnavailable`)."""
         producer.publish(
             event.envelope(),
