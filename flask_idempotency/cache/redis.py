@@ -13,8 +13,8 @@ connection pool, which is thread-safe and notices a fork by the process id at
 checkout. A client built from a URL is configured with documented options
 only: no retries and no health-check ``PING`` (either would multiply a slow
 Redis's cost), a socket and connect timeout of tens of milliseconds, and a lean
-connect handshake (RESP2, no ``CLIENT SETINFO``) where this redis-py has those
-options.
+connect handshake (RESP2, and no ``CLIENT SETINFO`` except over TLS, see
+``_lean_handshake_kwargs``) where this redis-py has those options.
 
 Redis is not trusted either (contract section 7): every entry is sealed with
 an HMAC under a key derived from the application's secret and the database's
