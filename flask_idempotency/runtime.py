@@ -115,7 +115,7 @@ def run_view(
         kept = recovery.capture(options, req)  # written by the claim itself
     decision, existing = _claim(attempt, kept)
     deadline = time.monotonic() + route.wait
-    while _in_progress(decision) and time.monotonic() < deadline:
+    while decision == flow.Reject(flow.Rejection.IN_PROGRESS) and time.monotonic() < deadline:
         # A waiting duplicate gives its connection back while it sleeps: otherwise
         # a few waiters would hold every pool slot the running requests need.
         attempt.close()
@@ -163,10 +163,6 @@ def _call_view(attempt: Attempt, view: Callable[..., Any], args: Any, kwargs: An
         raise
 
 
-def _in_progress(decision: flow.Decision) -> bool:
-    return isinstance(decision, flow.Reject) and decision.reason is flow.Rejection.IN_PROGRESS
-
-
 def _claim(attempt: Attempt, kept: bytes | None) -> tuple[flow.Decision, Existing | None]:
     """The attempt's claim, timed for the observers; a store failure is a 503."""
     with attempt.app_state.metrics.stage(Stage.CLAIM, attempt) as stage:
@@ -193,22 +189,14 @@ def refusal(
     return error
 
 
-def record(
-    attempt: Attempt,
-    outcome: RequestOutcome,
-    *,
-    source: str | None = None,
-    status: int | None = None,
-    error: BaseException | None = None,
-) -> None:
+def record(attempt: Attempt, outcome: RequestOutcome, **details: Any) -> None:
     """The request's outcome, once: counted, logged and handed to the app's
-    observers (``metrics.Metrics.record``). Later calls for the same request (a
+    observers (``metrics.Metrics.record``, whose ``source``, ``status`` and
+    ``error`` keywords ``details`` are). Later calls for the same request (a
     release after a failed completion, the teardown's fallback) are ignored."""
     if attempt.outcome is None:
         attempt.outcome = outcome
-        attempt.app_state.metrics.record(
-            attempt, outcome, source=source, status=status, error=error
-        )
+        attempt.app_state.metrics.record(attempt, outcome, **details)
 
 
 def _pass_through(attempt: Attempt) -> RequestOutcome:
@@ -243,13 +231,9 @@ def after_request(response: Response) -> Response:
         return response
     response = _settle(attempt, response)
     settings = attempt.app_state.settings
-    if (
-        attempt.record_key is not None
-        and attempt.app_state.profile.stripe
-        and attempt.request is not None
-    ):
+    if attempt.record_key is not None and attempt.app_state.profile.stripe:
         responses.echo_key(
-            response, settings.key_header, attempt.request.environ[settings.key_environ_name]
+            response, settings.key_header, request.environ[settings.key_environ_name]
         )
     if settings.expose_headers:
         responses.expose_headers(response, settings.key_header)
@@ -262,14 +246,13 @@ def _settle(attempt: Attempt, response: Response) -> Response:
         if not attempt.own_error and attempt.record_key is not None:
             responses.mark_original(response, attempt.app_state.profile)
         return response
-    if attempt.settled:
-        # (A replay carries its header from responses.replay().)
+    if attempt.settled or (attempt.record_key is not None and attempt.token is None):
+        # Settled: a replay (it carries its header from responses.replay()), or the
+        # hooks' second run after one failed. No token: a refusal, nothing claimed.
         return response
     if attempt.record_key is None:
         response = _settle_keyless(attempt, response)
         record(attempt, _pass_through(attempt), status=response.status_code)
-        return response
-    if attempt.token is None:
         return response
     return _settle_claim(attempt, response)
 
@@ -349,13 +332,12 @@ def teardown_request(exc: BaseException | None) -> None:
     attempt = unbind()
     if attempt is None:
         return
-    if not attempt.settled:
-        # The view raised past Flask's handlers, or after_request failed: nothing
-        # is stored, so a retry runs again.
-        _release(attempt)
+    # Unsettled (a no-op otherwise): the view raised past Flask's handlers, or
+    # after_request failed: nothing is stored, so a retry runs again.
+    _release(attempt)
     attempt.close()
-    if attempt.outcome is None:  # a pass-through, or an answer no settlement saw
-        record(
-            attempt,
-            _pass_through(attempt) if attempt.record_key is None else RequestOutcome.RELEASED,
-        )
+    # A pass-through, or an answer no settlement saw (``record`` keeps the first).
+    record(
+        attempt,
+        _pass_through(attempt) if attempt.record_key is None else RequestOutcome.RELEASED,
+    )
