@@ -256,8 +256,7 @@ class Attempt:
 
 def current_attempt() -> Attempt | None:
     """The attempt bound to the current context, if any."""
-    attempt: Attempt | None = g.get(_ATTRIBUTE)
-    return attempt
+    return cast("Attempt | None", g.get(_ATTRIBUTE))
 
 
 def bind(attempt: Attempt) -> None:
@@ -267,8 +266,7 @@ def bind(attempt: Attempt) -> None:
 
 def unbind() -> Attempt | None:
     """Take the current context's attempt off it (so no hook settles it again)."""
-    attempt: Attempt | None = g.pop(_ATTRIBUTE, None)
-    return attempt
+    return cast("Attempt | None", g.pop(_ATTRIBUTE, None))
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flask import Flask, Request
-from werkzeug.test import EnvironBuilder
+from werkzeug.test import create_environ
 
 from . import digests
 from .request_body import whole_body
@@ -111,7 +111,7 @@ class Abandoned:
         return digests.derived_key(self.record_key, purpose)
 
     def environ(self) -> dict[str, Any]:
-        builder = EnvironBuilder(
+        return create_environ(
             path=self.path,
             base_url=self.root_url,
             query_string=self.query,
@@ -119,10 +119,6 @@ class Abandoned:
             data=self.body,
             content_type=self.content_type,
         )
-        try:
-            return builder.get_environ()
-        finally:
-            builder.close()
 
 
 def route_options_of(view: Any) -> RouteOptions | None:
