@@ -40,14 +40,13 @@ import enum
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from flask import Flask
 from werkzeug.exceptions import HTTPException
 
 from . import digests, flow
 from .engine import Attempt, bound
-from .errors import LeaseLost, StoreUnavailable
+from .errors import LeaseLost
 from .recovery import Abandoned, recoverable_routes
 from .route_options import RecoverFunc
 from .state import app_state
@@ -216,7 +215,7 @@ class Recoverer:
                 response = None if value is None else self.app.make_response(value)
             except LeaseLost:
                 return RecoveryOutcome.FENCED
-            except (StoreUnavailable, StoreUnavailableError) as exc:
+            except StoreUnavailableError as exc:  # (StoreUnavailable is one)
                 level, what = store_failure(exc)
                 log.log(level, "idempotency recover: key %s: %s: %s", label, what, exc)
                 return RecoveryOutcome.DEFERRED
@@ -275,9 +274,3 @@ class Recoverer:
 def describe(outcomes: Mapping[RecoveryOutcome, int]) -> str:
     """``recovered 3, released 1, deferred 0, fenced 0, skipped 0``."""
     return ", ".join(f"{o.value} {outcomes.get(o, 0)}" for o in RecoveryOutcome)
-
-
-def stats(store: Any) -> dict[str, float]:
-    """Abandoned records now and the completer's totals (``PostgresStore.recovery_stats``)."""
-    result: dict[str, float] = store.recovery_stats()
-    return result

@@ -172,7 +172,8 @@ def stats(as_json: bool) -> None:
     abandoned records and what recover made of them."""
     state = command_state()
     figures = state.store.stats()
-    figures.update(completer.stats(state.store))
+    # Abandoned records now and the completer's totals.
+    figures.update(state.postgres_store("table statistics").recovery_stats())
     # Counts are whole numbers; only durations keep a fraction.
     document = {
         name: round(value, 3) if name.endswith("_seconds") else int(value)
