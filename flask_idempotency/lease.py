@@ -62,29 +62,25 @@ class LeaseKeeper:
         with self._lock:
             return list(self._holds.values())
 
-    def renew_now(self) -> int:
-        holds = self.held()
-        if not holds:
-            return 0
-        observer = self.observer
-        try:
-            renewed = self._store.renew(holds)
-        except StoreUnavailableError as exc:
-            # The lease still runs; if the database stays away the claim expires,
-            # and the holder's completion will then be refused (fencing).
-            log.warning("idempotency: lease renewal failed: %s", exc)
-            if observer is not None:
-                observer.lease_renewal_failed()
-            return 0
-        if observer is not None:
-            observer.leases_renewed(renewed)
-        return renewed
-
     def _run(self) -> None:
         stopped = self._stopped
         self._store.prepare_renewals()
         while not stopped.wait(self._interval):
-            self.renew_now()
+            holds = self.held()
+            if not holds:
+                continue
+            observer = self.observer
+            try:
+                renewed = self._store.renew(holds)
+            except StoreUnavailableError as exc:
+                # The lease still runs; if the database stays away the claim expires,
+                # and the holder's completion will then be refused (fencing).
+                log.warning("idempotency: lease renewal failed: %s", exc)
+                if observer is not None:
+                    observer.lease_renewal_failed()
+                continue
+            if observer is not None:
+                observer.leases_renewed(renewed)
 
     def stop(self) -> None:
         self._stopped.set()
