@@ -35,18 +35,13 @@ class Replay:
 
 
 class Rejection(enum.Enum):
+    """Answer with an error, for this reason; the view does not run."""
+
     KEY_REUSED = "key_reused"
     IN_PROGRESS = "in_progress"
 
 
-@dataclasses.dataclass(frozen=True)
-class Reject:
-    """Answer with an error; the view does not run."""
-
-    reason: Rejection
-
-
-Decision = Proceed | Replay | Reject
+Decision = Proceed | Replay | Rejection
 
 
 def decide(result: ClaimResult, fingerprint: bytes) -> Decision:
@@ -56,10 +51,10 @@ def decide(result: ClaimResult, fingerprint: bytes) -> Decision:
     if isinstance(result, Claimed):
         return Proceed(result.token, result.phases)
     if not matches(result.fingerprint, fingerprint):  # the way the record was written
-        return Reject(Rejection.KEY_REUSED)
+        return Rejection.KEY_REUSED
     if result.state == "completed" and result.response is not None:
         return Replay(result.response)
-    return Reject(Rejection.IN_PROGRESS)
+    return Rejection.IN_PROGRESS
 
 
 class Settlement(enum.Enum):

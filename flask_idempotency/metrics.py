@@ -185,8 +185,8 @@ class StageTimer:
         """Note what the claim decided (the claim span's ``idempotency.claim.result``:
         ``claimed``, ``replay`` or why it was rejected; and the takeover)."""
         result = "claimed" if isinstance(decision, flow.Proceed) else "replay"
-        if isinstance(decision, flow.Reject):
-            result = decision.reason.value
+        if isinstance(decision, flow.Rejection):
+            result = decision.value
         self.attributes["idempotency.claim.result"] = result
         self.attributes["idempotency.takeover"] = takeover
 

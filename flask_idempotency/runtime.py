@@ -102,7 +102,7 @@ def run_view(
         )
         if isinstance(decision, flow.Replay):
             return _replay(attempt, decision.response, "cache")
-        assert isinstance(decision, flow.Reject)  # (a cached record is never claimed)
+        assert isinstance(decision, flow.Rejection)  # (a cached record is never claimed)
         _refuse(attempt, decision, None)
 
     try:
@@ -115,7 +115,7 @@ def run_view(
         kept = recovery.capture(options, req)  # written by the claim itself
     decision, existing = _claim(attempt, kept)
     deadline = time.monotonic() + route.wait
-    while decision == flow.Reject(flow.Rejection.IN_PROGRESS) and time.monotonic() < deadline:
+    while decision is flow.Rejection.IN_PROGRESS and time.monotonic() < deadline:
         # A waiting duplicate gives its connection back while it sleeps: otherwise
         # a few waiters would hold every pool slot the running requests need.
         attempt.close()
@@ -137,9 +137,9 @@ def run_view(
     _refuse(attempt, decision, existing)
 
 
-def _refuse(attempt: Attempt, decision: flow.Reject, existing: Existing | None) -> NoReturn:
+def _refuse(attempt: Attempt, decision: flow.Rejection, existing: Existing | None) -> NoReturn:
     """A ``422`` (another request under the key) or a ``409`` (still running)."""
-    if decision.reason is flow.Rejection.KEY_REUSED:
+    if decision is flow.Rejection.KEY_REUSED:
         record(attempt, RequestOutcome.KEY_REUSED, status=KeyReused.code)
         raise KeyReused()
     record(attempt, RequestOutcome.IN_PROGRESS, status=RequestInProgress.code)

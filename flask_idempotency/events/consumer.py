@@ -165,8 +165,8 @@ class ConsumerGuard:
                 return Result(ConsumerOutcome.RETRY, self.options.retry_delay, "store_unavailable")
             if isinstance(decision, flow.Replay):
                 return Result(ConsumerOutcome.DUPLICATE, stored=decision.response)
-            if isinstance(decision, flow.Reject):
-                if decision.reason is flow.Rejection.KEY_REUSED:
+            if isinstance(decision, flow.Rejection):
+                if decision is flow.Rejection.KEY_REUSED:
                     log.error(
                         "consumer %s: another message under key %s",
                         self.options.name,

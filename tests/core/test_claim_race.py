@@ -98,7 +98,7 @@ def test_the_loser_of_a_simultaneous_takeover_gets_409(
     losers = [r for r in results if isinstance(r, Existing)]
     assert len(winners) == 1 and len(losers) == 1, results
     decision = flow.decide(losers[0], NEW_REQUEST)
-    assert decision == flow.Reject(flow.Rejection.IN_PROGRESS), losers[0]
+    assert decision is flow.Rejection.IN_PROGRESS, losers[0]
     assert losers[0].state == "processing"
 
 
@@ -134,4 +134,4 @@ def test_a_new_key_inserted_between_the_claims_read_and_its_insert_is_read_again
     request.close()
     [result] = results
     assert isinstance(result, Existing), result
-    assert flow.decide(result, NEW_REQUEST) == flow.Reject(flow.Rejection.IN_PROGRESS)
+    assert flow.decide(result, NEW_REQUEST) is flow.Rejection.IN_PROGRESS

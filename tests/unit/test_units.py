@@ -14,7 +14,6 @@ from flask_idempotency.digests import derived_key, log_key, record_key
 from flask_idempotency.fingerprint import canonical_body, fingerprint
 from flask_idempotency.flow import (
     Proceed,
-    Reject,
     Rejection,
     Replay,
     Settlement,
@@ -93,10 +92,10 @@ def test_decisions() -> None:
     fp = b"f" * 32
     assert decide(Claimed(7), fp) == Proceed(7)
     assert decide(Existing("completed", fp, stored), fp) == Replay(stored)
-    assert decide(Existing("processing", fp, None), fp) == Reject(Rejection.IN_PROGRESS)
+    assert decide(Existing("processing", fp, None), fp) is Rejection.IN_PROGRESS
     other = b"o" * 32
-    assert decide(Existing("processing", other, None), fp) == Reject(Rejection.KEY_REUSED)
-    assert decide(Existing("completed", other, stored), fp) == Reject(Rejection.KEY_REUSED)
+    assert decide(Existing("processing", other, None), fp) is Rejection.KEY_REUSED
+    assert decide(Existing("completed", other, stored), fp) is Rejection.KEY_REUSED
 
 
 def test_default_stored_statuses() -> None:
