@@ -134,9 +134,5 @@ def route_options_of(view: Any) -> RouteOptions | None:
 
 def recoverable_routes(app: Flask) -> dict[str, RouteOptions]:
     """Each endpoint of ``app`` whose idempotent view declares ``recover=``."""
-    found: dict[str, RouteOptions] = {}
-    for endpoint, view in app.view_functions.items():
-        options = route_options_of(view)
-        if options is not None and options.recover is not None:
-            found[endpoint] = options
-    return found
+    every = {endpoint: route_options_of(view) for endpoint, view in app.view_functions.items()}
+    return {endpoint: o for endpoint, o in every.items() if o is not None and o.recover is not None}

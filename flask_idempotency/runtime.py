@@ -208,12 +208,9 @@ def _pass_through(attempt: Attempt) -> RequestOutcome:
 def _replay(attempt: Attempt, stored: StoredResponse, source: str) -> Response:
     """Answer with a stored response, from the cache or the store."""
     attempt.settled = True
-    with attempt.app_state.metrics.stage(
-        Stage.REPLAY, attempt, source=source, status=stored.status
-    ):
-        answer = responses.replay(
-            stored, attempt.app_state.profile, attempt.app_state.settings.not_replayed_headers
-        )
+    state = attempt.app_state
+    with state.metrics.stage(Stage.REPLAY, attempt, source=source, status=stored.status):
+        answer = responses.replay(stored, state.profile, state.settings.not_replayed_headers)
     record(attempt, RequestOutcome.REPLAYED, source=source, status=stored.status)
     return answer
 
