@@ -160,14 +160,13 @@ class Recoverer:
         """Run the route's recovery for one record we took over; settle it."""
         label = digests.log_key(taken.record_key)
         try:
-            outcome = self._recover(taken, label)
+            return self._recover(taken, label)
         except StoreUnavailableError as exc:
             level, what = store_failure(exc)
             log.log(level, "idempotency recover: %s for key %s: %s", what, label, exc)
-            outcome = RecoveryOutcome.DEFERRED
+            return RecoveryOutcome.DEFERRED
         finally:
             self.state.keeper.drop(taken.record_key, taken.token)
-        return outcome
 
     def _recover(self, taken: Taken, label: str) -> RecoveryOutcome:
         try:

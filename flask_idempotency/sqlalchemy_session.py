@@ -183,11 +183,8 @@ def _hand_connection(session: Session, transaction: SessionTransaction) -> None:
         session.connection(bind_arguments={"bind": joined.connection})
         return
     attempt = current_attempt() if has_app_context() else None
-    if (
-        attempt is not None
-        and isinstance(attempt.session, Joined)
-        and attempt.session.session is not session
-    ):
+    current = attempt.session if attempt is not None else None
+    if isinstance(current, Joined) and current.session is not session:
         raise RuntimeError(
             "a second session on the idempotent request's database (after "
             "db.session.remove() in the view?): its writes would not commit with "
