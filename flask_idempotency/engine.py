@@ -164,10 +164,7 @@ class Attempt:
             )
         except responses.NotStorable:
             return flow.Settlement.TOO_LARGE, None
-        settlement = flow.settlement(
-            stored.status, len(stored.body), self.route.should_store, settings.max_stored_body
-        )
-        return settlement, stored
+        return flow.settlement(stored.status, self.route.should_store), stored
 
     def checkpoint(self, phase: str, data_json: str) -> None:
         """Commit the attempt's writes so far with the recovery point ``phase``, the

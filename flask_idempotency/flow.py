@@ -63,12 +63,10 @@ class Settlement(enum.Enum):
     TOO_LARGE = "too_large"  # would have been stored but cannot be: roll back, 500
 
 
-def settlement(status: int, body_size: int, should_store: ShouldStore, max_body: int) -> Settlement:
-    if not should_store(status):
-        return Settlement.RELEASE
-    if body_size > max_body:
-        return Settlement.TOO_LARGE
-    return Settlement.COMPLETE
+def settlement(status: int, should_store: ShouldStore) -> Settlement:
+    """Store the answer or release the claim. (``TOO_LARGE`` is decided before:
+    ``responses.capture`` refuses a body over the limit, or stores it without.)"""
+    return Settlement.COMPLETE if should_store(status) else Settlement.RELEASE
 
 
 def retry_after_seconds(configured: int, lease_remaining: float | None) -> int:

@@ -103,9 +103,8 @@ def test_default_stored_statuses() -> None:
     not_stored = [400, 401, 403, 404, 408, 409, 422, 425, 429, 500, 502, 503]
     assert all(default_should_store(s) for s in stored)
     assert not any(default_should_store(s) for s in not_stored)
-    assert settlement(201, 10, default_should_store, 5) is Settlement.TOO_LARGE
-    assert settlement(201, 10, default_should_store, 10) is Settlement.COMPLETE
-    assert settlement(500, 10, default_should_store, 10) is Settlement.RELEASE
+    assert settlement(201, default_should_store) is Settlement.COMPLETE
+    assert settlement(500, default_should_store) is Settlement.RELEASE
 
 
 def test_retry_after_bounds() -> None:
