@@ -201,7 +201,9 @@ def record(attempt: Attempt, outcome: RequestOutcome, **details: Any) -> None:
 
 def _pass_through(attempt: Attempt) -> RequestOutcome:
     """A request with no key to deduplicate: a safe method, or an optional route
-    called without one."""
+    called without one. (A keyed one that no settlement saw was released.)"""
+    if attempt.record_key is not None:
+        return RequestOutcome.RELEASED
     return RequestOutcome.SAFE_METHOD if request.method in SAFE_METHODS else RequestOutcome.KEYLESS
 
 
@@ -334,7 +336,4 @@ def teardown_request(exc: BaseException | None) -> None:
     _release(attempt)
     attempt.close()
     # A pass-through, or an answer no settlement saw (``record`` keeps the first).
-    record(
-        attempt,
-        _pass_through(attempt) if attempt.record_key is None else RequestOutcome.RELEASED,
-    )
+    record(attempt, _pass_through(attempt))
