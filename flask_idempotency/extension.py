@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 from flask import Flask
@@ -54,8 +54,7 @@ class CommandsOnDemand(AppGroup):
 
     @staticmethod
     def _commands() -> click.Group:
-        group: click.Group = importlib.import_module("flask_idempotency.cli").group
-        return group
+        return cast(click.Group, importlib.import_module("flask_idempotency.cli").group)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return self._commands().list_commands(ctx)
