@@ -11,20 +11,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any
 
 from .fingerprint import matches
 from .settings import ShouldStore
 from .store.base import Claimed, ClaimResult, StoredResponse
 
-
-@dataclasses.dataclass(frozen=True)
-class Proceed:
-    """Run the view: the claim is ours under ``token``; resume after ``phases``, the
-    recovery points a dead holder of the same request committed (``phases.py``)."""
-
-    token: int
-    phases: tuple[tuple[str, Any], ...] = ()
+#: Run the view: the claim is ours under ``token``; resume after ``phases``, the
+#: recovery points a dead holder of the same request committed (``phases.py``).
+#: The store's answer is the decision as it stands.
+Proceed = Claimed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +44,7 @@ def decide(result: ClaimResult, fingerprint: bytes) -> Decision:
     while the first is still running); then a finished record replays and a running
     one is a 409."""
     if isinstance(result, Claimed):
-        return Proceed(result.token, result.phases)
+        return result
     if not matches(result.fingerprint, fingerprint):  # the way the record was written
         return Rejection.KEY_REUSED
     if result.state == "completed" and result.response is not None:
