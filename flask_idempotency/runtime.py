@@ -265,8 +265,7 @@ def _settle_keyless(attempt: Attempt, response: Response) -> Response:
     try:
         attempt.commit()
     except StoreUnavailableError as exc:
-        record(attempt, RequestOutcome.STORE_UNAVAILABLE, status=StoreUnavailable.code, error=exc)
-        return _error_response(StoreUnavailable(retry_after=attempt.app_state.settings.retry_after))
+        return _error_response(refusal(attempt, exc))
     return response
 
 
