@@ -256,9 +256,10 @@ def current_attempt() -> Attempt | None:
     return cast("Attempt | None", g.get(_ATTRIBUTE))
 
 
-def bind(attempt: Attempt) -> None:
+def bind(attempt: Attempt) -> Attempt:
     """Make ``attempt`` the current context's (``connection()``, ``emit()``...)."""
     setattr(g, _ATTRIBUTE, attempt)
+    return attempt
 
 
 def unbind() -> Attempt | None:

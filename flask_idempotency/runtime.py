@@ -85,15 +85,13 @@ def run_view(
         state.metrics.refused(exc)
         raise
     if key is None:
-        keyless = Attempt(state, None, b"", route, started=started, request=req)
-        bind(keyless)
+        keyless = bind(Attempt(state, None, b"", route, started=started, request=req))
         return _call_view(keyless, call, args, kwargs)
     record_key = digests.record_key(scope, key)
     fingerprint = route.fingerprint_func(req)
-    attempt = Attempt(
-        state, record_key, fingerprint, route, started=started, scope=scope, request=req
+    attempt = bind(
+        Attempt(state, record_key, fingerprint, route, started=started, scope=scope, request=req)
     )
-    bind(attempt)
 
     cached = state.cache.get(record_key)
     if cached is not None:
