@@ -235,14 +235,15 @@ class Recoverer:
         if response is None:
             return RecoveryOutcome.RELEASED
         response = self.app.process_response(response)
+        if response.status_code >= 500:
+            # The recovery could not tell (its processor is down, say). A client would
+            # retry a 5xx; here the next pass does, so the record is handed back.
+            response.close()
+            return RecoveryOutcome.DEFERRED
         try:
             settlement, stored = attempt.capture(response)
         finally:
             response.close()
-        if stored is not None and stored.status >= 500:
-            # The recovery could not tell (its processor is down, say). A client would
-            # retry a 5xx; here the next pass does, so the record is handed back.
-            return RecoveryOutcome.DEFERRED
         if settlement is flow.Settlement.RELEASE:
             return RecoveryOutcome.RELEASED
         if settlement is flow.Settlement.TOO_LARGE or stored is None:

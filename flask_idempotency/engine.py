@@ -156,7 +156,10 @@ class Attempt:
     def capture(self, response: Response) -> tuple[flow.Settlement, StoredResponse | None]:
         """What a finished answer means for the record (store it, release the claim,
         or neither: too large to store), and the answer as it would be stored.
-        Reading a streamed body may raise."""
+        An answer that is not kept (a 5xx, a validation 400) is released unread,
+        whatever its size; reading a streamed body may raise."""
+        if not self.route.should_store(response.status_code):
+            return flow.Settlement.RELEASE, None
         settings = self.app_state.settings
         try:
             stored = responses.capture(
@@ -164,7 +167,7 @@ class Attempt:
             )
         except responses.NotStorable:
             return flow.Settlement.TOO_LARGE, None
-        return flow.settlement(stored.status, self.route.should_store), stored
+        return flow.Settlement.COMPLETE, stored
 
     def checkpoint(self, phase: str, data_json: str) -> None:
         """Commit the attempt's writes so far with the recovery point ``phase``, the

@@ -13,7 +13,6 @@ import enum
 import math
 
 from .fingerprint import matches
-from .settings import ShouldStore
 from .store.base import Claimed, ClaimResult, StoredResponse
 
 #: Run the view: the claim is ours under ``token``; resume after ``phases``, the
@@ -56,12 +55,6 @@ class Settlement(enum.Enum):
     COMPLETE = "complete"  # store the answer, commit the business transaction
     RELEASE = "release"  # roll back, delete the claim: a retry runs again
     TOO_LARGE = "too_large"  # would have been stored but cannot be: roll back, 500
-
-
-def settlement(status: int, should_store: ShouldStore) -> Settlement:
-    """Store the answer or release the claim. (``TOO_LARGE`` is decided before:
-    ``responses.capture`` refuses a body over the limit, or stores it without.)"""
-    return Settlement.COMPLETE if should_store(status) else Settlement.RELEASE
 
 
 def retry_after_seconds(configured: int, lease_remaining: float | None) -> int:

@@ -385,6 +385,19 @@ def test_oversized_response_is_rolled_back_not_half_stored_when_rejected(
     assert sql(database_url, "SELECT count(*) FROM idempotency_records") == [(0,)]
 
 
+def test_an_oversized_answer_that_is_not_kept_passes_through_under_reject(
+    make_app: MakeApp, database_url: str
+) -> None:
+    """A 5xx is released whatever its size: the view's own answer reaches the client
+    (not ``response_too_large``) and a retry runs again."""
+    app = make_app(IDEMPOTENCY_MAX_STORED_BODY=1000, IDEMPOTENCY_OVERSIZE="reject")
+    for _ in range(2):
+        response = post(app, {"big": 5000, "status": 503})
+        assert response.status_code == 503 and len(response.data) > 5000
+    assert sql(database_url, "SELECT count(*) FROM idempotency_records") == [(0,)]
+    assert runs(app) == ["charges", "charges"]
+
+
 def test_app_error_handlers_still_apply(make_app: MakeApp) -> None:
     from flask_idempotency import MissingKey
 

@@ -16,10 +16,8 @@ from flask_idempotency.flow import (
     Proceed,
     Rejection,
     Replay,
-    Settlement,
     decide,
     retry_after_seconds,
-    settlement,
 )
 from flask_idempotency.keys import parse_key
 from flask_idempotency.settings import default_should_store, settings_from_config
@@ -103,8 +101,6 @@ def test_default_stored_statuses() -> None:
     not_stored = [400, 401, 403, 404, 408, 409, 422, 425, 429, 500, 502, 503]
     assert all(default_should_store(s) for s in stored)
     assert not any(default_should_store(s) for s in not_stored)
-    assert settlement(201, default_should_store) is Settlement.COMPLETE
-    assert settlement(500, default_should_store) is Settlement.RELEASE
 
 
 def test_retry_after_bounds() -> None:
