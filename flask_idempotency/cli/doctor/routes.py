@@ -98,13 +98,8 @@ def lease(ctx: Context) -> Check:
     shortest, longest = min(s[1] for s in scopes), max(s[1] for s in scopes)
     spread = seconds(shortest) + (f" to {seconds(longest)}" if longest != shortest else "")
     processor_note = f", processor timeout {seconds(processor)}" if processor is not None else ""
-    return worst(
-        findings,
-        ok(
-            f"lease {spread} ({renewal}) < TTL over the app and {len(scopes) - 1} route(s)"
-            f"{processor_note}"
-        ),
-    )
+    detail = f"lease {spread} ({renewal}) < TTL over the app and {len(scopes) - 1} route(s)"
+    return worst(findings, ok(detail + processor_note))
 
 
 def scope(ctx: Context) -> Check:
@@ -121,8 +116,7 @@ def scope(ctx: Context) -> Check:
     settings = ctx.state.settings
     pooled_global: list[str] = []
     pooled: list[str] = []
-    unknown: list[str] = []
-    on_authorization: list[str] = []
+    unknown, on_authorization = [], []
     routes = idempotent_routes(ctx)
     # No decorated route yet (blueprints registered later?): judge the app's setting.
     candidates = routes or [Route("IDEMPOTENCY_SCOPE_FUNC", "/", "POST", _APP_WIDE)]
