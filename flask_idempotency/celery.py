@@ -156,8 +156,7 @@ class _TaskGuard(ConsumerGuard):
         """Takeovers not explained by a retry: each attempt that raised and was
         retried (``request.retries``) was taken over once by its retry; the rest
         were attempts whose worker died (or that outlived their lease)."""
-        retries = int(delivery.payload.get("retries") or 0)
-        return max(takeovers - retries, 0)
+        return max(takeovers - int(delivery.payload["retries"]), 0)  # set by __call__
 
     def gives_up(self, exc: Exception) -> bool:
         """A raise is final unless Celery delivers the task again: ``Retry`` (from
@@ -277,8 +276,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         # Read from the class: a function given to the decorator must not become a method.
         spec = type(self).idempotency_key
         if spec is None:
-            headers = request.headers or {}
-            return headers.get(KEY_HEADER) or request.id
+            return (request.headers or {}).get(KEY_HEADER) or request.id
         if callable(spec):
             return spec(request, args, kwargs)
         if spec in kwargs:
