@@ -98,8 +98,7 @@ def _run_config(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Run a gunicorn configuration file; its names, and the environment it left."""
     saved = dict(os.environ)
     try:
-        namespace = runpy.run_path(path, run_name="__config__")
-        return namespace, dict(os.environ)
+        return runpy.run_path(path, run_name="__config__"), dict(os.environ)  # as it left it
     except SystemExit as exc:  # a file that exits must not end the doctor
         raise RuntimeError(f"{path} exited ({exc.code}) while being read") from None
     finally:
