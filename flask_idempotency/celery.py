@@ -156,8 +156,7 @@ class _TaskGuard(ConsumerGuard):
         """Takeovers not explained by a retry: each attempt that raised and was
         retried (``request.retries``) was taken over once by its retry; the rest
         were attempts whose worker died (or that outlived their lease)."""
-        retries = int(delivery.payload.get("retries") or 0)
-        return max(takeovers - retries, 0)
+        return max(takeovers - int(delivery.payload["retries"]), 0)  # set by __call__
 
     def gives_up(self, exc: Exception) -> bool:
         """A raise is final unless Celery delivers the task again: ``Retry`` (from
@@ -277,8 +276,7 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
         # Read from the class: a function given to the decorator must not become a method.
         spec = type(self).idempotency_key
         if spec is None:
-            headers = request.headers or {}
-            return headers.get(KEY_HEADER) or request.id
+            return (request.headers or {}).get(KEY_HEADER) or request.id
         if callable(spec):
             return spec(request, args, kwargs)
         if spec in kwargs:
@@ -311,21 +309,14 @@ class IdempotentTask(celery.Task):  # type: ignore[misc]
                 limit = self.idempotency_max_worker_losses
                 raise TaskWorkerLost(self.name, result.attempts, limit or 0)
             raise TaskKeyMissing(f"task {self.name}: {result.reason}")
-        # BUSY, FENCED, or PostgreSQL unreachable: not this attempt's to run now.
-        self._run_later(result, request, args, kwargs)
-
-    def _run_later(
-        self, result: Result, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        """Publish this message again for ``result.delay`` from now and acknowledge it.
-
-        Not ``self.retry()``: that spends one of the task's retries and records a
-        RETRY state over the holder's; a copy under the same task id and
-        ``retries`` is the same message, later. Published before the ack, as
-        Celery's retry is: a crash in between leaves one more copy, which the
-        key absorbs.
-        """
-        reason = result.reason or result.outcome.value
+        # BUSY, FENCED, or PostgreSQL unreachable: not this attempt's to run now. This
+        # message is published again for ``result.delay`` from now and acknowledged.
+        # Not ``self.retry()``: that spends one of the task's retries and records a
+        # RETRY state over the holder's; a copy under the same task id and
+        # ``retries`` is the same message, later. Published before the ack, as
+        # Celery's retry is: a crash in between leaves one more copy, which the
+        # key absorbs.
+        reason = result.reason or outcome.value
         delay = max(result.delay, _MIN_DEFER)
         if request.called_directly or request.is_eager:
             raise TaskDeferred(reason, delay)

@@ -215,7 +215,7 @@ class Idempotency:
         be JSON; a published event is kept ``ttl`` seconds (default: the record's
         TTL). ``flask idempotency relay`` publishes it (``events/outbox.py``).
         """
-        bound = outbox.bound_transaction()
+        bound = outbox.bound_transaction.get()
         if bound is not None:
             conn, scope = bound
         else:

@@ -24,6 +24,7 @@ from flask import current_app, request
 from flask.cli import with_appcontext
 
 from .. import digests, keys
+from ..errors import InvalidKey, ScopeUnavailable
 from ..settings import ScopeFunc
 from ..state import AppState
 from ..store.base import RecordInfo
@@ -75,8 +76,6 @@ def _scope_from_headers(
     (a route's own ``scope_func``, a user known only to the view) is given
     with ``--scope``.
     """
-    from ..errors import ScopeUnavailable
-
     parsed = [_parse_header(raw) for raw in headers]
     if read_authorization:
         if any(name.lower() == "authorization" for name, _ in parsed):
@@ -134,8 +133,6 @@ def _record_command(command: Callable[..., None]) -> Callable[..., None]:
     def named(
         key: str, scope: str | None, read_authorization: bool, headers: tuple[str, ...], **own: Any
     ) -> None:
-        from ..errors import InvalidKey
-
         state = command_state()  # first: under memory:// that is all there is to say
         try:
             parsed = keys.parse_key(key)
@@ -162,21 +159,6 @@ def _lease_live(info: RecordInfo) -> float | None:
     server_now = info.created_at + timedelta(seconds=info.age_seconds)
     left = (info.lease_expires_at - server_now).total_seconds()
     return left if left > 0 else None
-
-
-def _record_fields(rkey: bytes, info: RecordInfo) -> dict[str, Any]:
-    return {
-        "record": digests.log_key(rkey),
-        "state": info.state,
-        "expired": info.expired,
-        "lease_live": _lease_live(info) is not None,
-        "age_seconds": round(info.age_seconds, 3),
-        "created_at": info.created_at.isoformat(),
-        "expires_at": info.expires_at.isoformat(),
-        "completed_at": info.completed_at.isoformat() if info.completed_at else None,
-        "lease_expires_at": info.lease_expires_at.isoformat() if info.lease_expires_at else None,
-        "status": info.status,
-    }
 
 
 @click.command(
@@ -208,7 +190,18 @@ def show(state: AppState, rkey: bytes, show_body: bool, as_json: bool) -> None:
     info = state.store.info(rkey)
     if info is None:
         raise click.ClickException("no record for that key and scope")
-    fields = _record_fields(rkey, info)
+    fields: dict[str, Any] = {
+        "record": digests.log_key(rkey),
+        "state": info.state,
+        "expired": info.expired,
+        "lease_live": _lease_live(info) is not None,
+        "age_seconds": round(info.age_seconds, 3),
+        "created_at": info.created_at.isoformat(),
+        "expires_at": info.expires_at.isoformat(),
+        "completed_at": info.completed_at.isoformat() if info.completed_at else None,
+        "lease_expires_at": info.lease_expires_at.isoformat() if info.lease_expires_at else None,
+        "status": info.status,
+    }
     if show_body:
         fields["headers"] = [list(h) for h in info.headers]
         fields["body"] = (info.body or b"").decode("utf-8", "replace")

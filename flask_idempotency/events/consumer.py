@@ -118,10 +118,6 @@ class ConsumerGuard:
         consumer: its retries are counted by ``max_attempts``."""
         return False
 
-    def retry_delay(self, attempts: int) -> float:
-        exponent = min(max(attempts - 1, 0), 30)
-        return float(min(self.options.max_retry_delay, self.options.retry_delay * 2**exponent))
-
     def handle(
         self,
         delivery: Delivery,
@@ -246,7 +242,9 @@ class ConsumerGuard:
             log.warning("consumer %s: could not record the attempt: %s", name, failure)
         if final:
             return result
-        delay = self.retry_delay(attempts)
+        # retry_delay doubling with each attempt (attempts >= 1), at most max_retry_delay
+        exponent = min(attempts - 1, 30)
+        delay = min(self.options.max_retry_delay, self.options.retry_delay * 2**exponent)
         return Result(ConsumerOutcome.RETRY, delay, "handler_failed", attempts=attempts, error=exc)
 
     def _given_up(
@@ -312,10 +310,9 @@ class ConsumerGuard:
     ) -> bool:
         """Copy ``delivery`` to the dead-letter queue (when the caller gave one);
         False when that failed, and the message must stay where it is."""
-        if dead_letter is None:
-            return True
         try:
-            dead_letter(delivery, result, reason)
+            if dead_letter is not None:
+                dead_letter(delivery, result, reason)
         except Exception as exc:  # the broker's error: its class, not its text
             name, error = self.options.name, type(exc).__name__
             log.error("consumer %s: dead-lettering failed: %s", name, error)

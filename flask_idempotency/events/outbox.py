@@ -176,8 +176,9 @@ class EmitScope:
         return eid
 
 
-#: The innermost ``transaction()`` block's connection and its scope.
-_bound: contextvars.ContextVar[tuple[Any, EmitScope] | None] = contextvars.ContextVar(
+#: The innermost ``transaction()`` block's connection and its scope, if any
+#: (``bound_transaction.get()``).
+bound_transaction: contextvars.ContextVar[tuple[Any, EmitScope] | None] = contextvars.ContextVar(
     "flask_idempotency_outbox", default=None
 )
 
@@ -185,16 +186,11 @@ _bound: contextvars.ContextVar[tuple[Any, EmitScope] | None] = contextvars.Conte
 @contextmanager
 def bind(conn: Any, default_ttl: float) -> Iterator[None]:
     """Send ``emit()`` to ``conn`` for the block (``idempotency.transaction()``)."""
-    token = _bound.set((conn, EmitScope(None, None, default_ttl)))
+    token = bound_transaction.set((conn, EmitScope(None, None, default_ttl)))
     try:
         yield
     finally:
-        _bound.reset(token)
-
-
-def bound_transaction() -> tuple[Any, EmitScope] | None:
-    """The innermost ``transaction()`` block's connection and scope, if any."""
-    return _bound.get()
+        bound_transaction.reset(token)
 
 
 def request_scope(record_key: bytes | None, token: int | None, ttl: float) -> EmitScope:

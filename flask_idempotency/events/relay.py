@@ -202,11 +202,10 @@ class Relay:
                 self.heartbeat.beat()
                 if taken and on_batch is not None:
                     on_batch(taken)
-                if taken == self.batch_size:
-                    continue  # more may be waiting
-                if once:
+                # A full batch: more may be waiting. Else done (once), or wait for more
+                # (``wait`` answers True when ``stop`` was set meanwhile).
+                if taken < self.batch_size and (once or stop.wait(self.poll_interval)):
                     break
-                stop.wait(self.poll_interval)
         finally:
             self.publisher.close()
         return self.stats

@@ -54,9 +54,8 @@ def database(ctx: Context) -> Check:
 
 
 def schema(ctx: Context) -> Check:
-    state = ctx.state
     try:
-        missing = state.store.pending_migrations(state.settings.migration_dirs)
+        missing = ctx.store.pending_migrations(ctx.state.settings.migration_dirs)
     except FileNotFoundError as exc:
         return fail(str(exc), "fix IDEMPOTENCY_MIGRATION_DIRS")
     if missing:

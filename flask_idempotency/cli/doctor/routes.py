@@ -7,6 +7,7 @@ view of the app's ``url_map`` that carries the decorator's options.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from flask.sessions import SecureCookieSessionInterface
@@ -30,19 +31,16 @@ class Route:
 
 
 def idempotent_routes(ctx: Context) -> list[Route]:
-    def find() -> list[Route]:
-        found = []
+    def find() -> Iterator[Route]:
         for rule in ctx.app.url_map.iter_rules():
             options = route_options_of(ctx.app.view_functions.get(rule.endpoint))
             if options is None:
                 continue
             methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}) or ["GET"]
             path = rule.rule if not rule.arguments else "/"
-            label = f"{'|'.join(methods)} {rule.rule}"
-            found.append(Route(label, path, methods[0], options))
-        return found
+            yield Route(f"{'|'.join(methods)} {rule.rule}", path, methods[0], options)
 
-    return ctx.once("routes", find)
+    return ctx.once("routes", lambda: list(find()))
 
 
 def leases(ctx: Context) -> list[float]:
@@ -67,44 +65,36 @@ def lease(ctx: Context) -> Check:
             findings.append(fail(f"{route.label}: {exc}", "fix the route's lease= / ttl="))
             continue
         scopes.append((route.label, effective.lease, effective.ttl))
-    for where, lease_s, ttl in scopes:
+
+    def findings_at(where: str, lease_s: float, ttl: float) -> Iterator[Check]:
         if renew > 0 and renew + deadline >= lease_s:
-            findings.append(
-                warn(
-                    f"{where}: lease {seconds(lease_s)} but a renewal may start "
-                    f"{seconds(renew)} after the last and take {seconds(deadline)} (statement "
-                    "timeout + 1 s): on a slow database the lease lapses between renewals",
-                    "raise the lease, or lower IDEMPOTENCY_LEASE_RENEW_INTERVAL",
-                )
+            yield warn(
+                f"{where}: lease {seconds(lease_s)} but a renewal may start "
+                f"{seconds(renew)} after the last and take {seconds(deadline)} (statement "
+                "timeout + 1 s): on a slow database the lease lapses between renewals",
+                "raise the lease, or lower IDEMPOTENCY_LEASE_RENEW_INTERVAL",
             )
         if processor is not None and renew == 0 and lease_s <= processor:
-            findings.append(
-                fail(
-                    f"{where}: lease {seconds(lease_s)} is not renewed and a view may wait "
-                    f"{seconds(processor)} on the processor: a retry takes the record over "
-                    "while the first attempt still runs (the processor is called twice)",
-                    f"raise the lease above {seconds(processor)}, or turn renewal back on",
-                )
+            yield fail(
+                f"{where}: lease {seconds(lease_s)} is not renewed and a view may wait "
+                f"{seconds(processor)} on the processor: a retry takes the record over "
+                "while the first attempt still runs (the processor is called twice)",
+                f"raise the lease above {seconds(processor)}, or turn renewal back on",
             )
         if processor is not None and ttl <= processor:
-            findings.append(
-                fail(
-                    f"{where}: TTL {seconds(ttl)} is not longer than the processor timeout "
-                    f"{seconds(processor)}: purge may delete a record whose view still runs",
-                    f"raise the TTL well above {seconds(processor)}",
-                )
+            yield fail(
+                f"{where}: TTL {seconds(ttl)} is not longer than the processor timeout "
+                f"{seconds(processor)}: purge may delete a record whose view still runs",
+                f"raise the TTL well above {seconds(processor)}",
             )
+
+    findings += [finding for scope in scopes for finding in findings_at(*scope)]
     renewal = f"renewed every {seconds(renew)}" if renew > 0 else "never renewed"
     shortest, longest = min(s[1] for s in scopes), max(s[1] for s in scopes)
     spread = seconds(shortest) + (f" to {seconds(longest)}" if longest != shortest else "")
     processor_note = f", processor timeout {seconds(processor)}" if processor is not None else ""
-    return worst(
-        findings,
-        ok(
-            f"lease {spread} ({renewal}) < TTL over the app and {len(scopes) - 1} route(s)"
-            f"{processor_note}"
-        ),
-    )
+    detail = f"lease {spread} ({renewal}) < TTL over the app and {len(scopes) - 1} route(s)"
+    return worst(findings, ok(detail + processor_note))
 
 
 def scope(ctx: Context) -> Check:
@@ -121,8 +111,7 @@ def scope(ctx: Context) -> Check:
     settings = ctx.state.settings
     pooled_global: list[str] = []
     pooled: list[str] = []
-    unknown: list[str] = []
-    on_authorization: list[str] = []
+    unknown, on_authorization = [], []
     routes = idempotent_routes(ctx)
     # No decorated route yet (blueprints registered later?): judge the app's setting.
     candidates = routes or [Route("IDEMPOTENCY_SCOPE_FUNC", "/", "POST", _APP_WIDE)]

@@ -68,7 +68,6 @@ def read_gunicorn(path: str | None, environ: Mapping[str, str]) -> Gunicorn | No
     except SystemExit:  # argparse's way of saying "bad option": gunicorn would not start
         raise ValueError(f"GUNICORN_CMD_ARGS is not valid for gunicorn: {env_args!r}") from None
     path = path or parsed.get("config") or default
-    sources = []
     hooks: dict[str, str] = {}
     after = dict(environ)
     if path is not None:
@@ -78,14 +77,11 @@ def read_gunicorn(path: str | None, environ: Mapping[str, str]) -> Gunicorn | No
                 cfg.set(name, value)
                 if callable(value) and name in _HOOKS:
                     hooks[name] = getattr(value, "__module__", "") or ""
-        sources.append(path)
     for name, value in parsed.items():
         if value is not None and name not in ("args", "config"):
             cfg.set(name.lower(), value)
-    if env_args:
-        sources.append("GUNICORN_CMD_ARGS")
     return Gunicorn(
-        source=" + ".join(sources),
+        source=" + ".join(s for s in (path, env_args and "GUNICORN_CMD_ARGS") if s),
         workers=int(cfg.workers),
         threads=int(cfg.threads),
         worker_class=str(cfg.worker_class_str),
@@ -102,8 +98,7 @@ def _run_config(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Run a gunicorn configuration file; its names, and the environment it left."""
     saved = dict(os.environ)
     try:
-        namespace = runpy.run_path(path, run_name="__config__")
-        return namespace, dict(os.environ)
+        return runpy.run_path(path, run_name="__config__"), dict(os.environ)  # as it left it
     except SystemExit as exc:  # a file that exits must not end the doctor
         raise RuntimeError(f"{path} exited ({exc.code}) while being read") from None
     finally:
