@@ -12,27 +12,20 @@ import itertools
 from collections.abc import Callable
 
 from flask import Response
-from werkzeug.http import parse_set_header
+from werkzeug.http import is_hop_by_hop_header, parse_set_header
 
 from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, SHOULD_RETRY_HEADER, STRIPE, Profile
 from .store.base import StoredResponse
 
-#: Not replayed: hop-by-hop headers, per-answer headers the server sets again,
-#: the length (recomputed), cookies (a replay must never hand out a session),
-#: and our own markers.
+#: Not replayed: hop-by-hop headers (Werkzeug's ``is_hop_by_hop_header`` list of
+#: RFC 2616's, and these two spellings outside it), per-answer headers the server
+#: sets again, the length (recomputed), cookies (a replay must never hand out a
+#: session), and our own markers.
 NOT_STORED_HEADERS = frozenset(
     h.lower()
     for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
         "Proxy-Connection",
-        "TE",
-        "Trailer",
         "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
         "Date",
         "Server",
         "Content-Length",
@@ -60,6 +53,11 @@ EXPOSED_HEADERS = (
 
 #: PostgreSQL's ``smallint``, the column of a stored status.
 _STATUS_RANGE = range(-32768, 32768)
+
+
+def _kept(name: str, dropped: frozenset[str]) -> bool:
+    """Whether a header may be stored or replayed: not hop-by-hop, nor in ``dropped``."""
+    return name.lower() not in dropped and not is_hop_by_hop_header(name)
 
 
 class NotStorable(Exception):
@@ -117,9 +115,7 @@ def capture(response: Response, max_body: int, *, omit_oversize: bool) -> Stored
     (``omit_oversize``; the client still gets all of it, the rest of a stream
     flowing on untouched) or refused with :class:`NotStorable`.
     """
-    headers = tuple(
-        [pair for pair in response.headers if pair[0].lower() not in NOT_STORED_HEADERS]
-    )
+    headers = tuple([pair for pair in response.headers if _kept(pair[0], NOT_STORED_HEADERS)])
     if response.is_sequence and not response.direct_passthrough:
         body: bytes | None = response.get_data()
         if body is not None and len(body) > max_body:
@@ -178,7 +174,7 @@ def replay(
     """The stored answer as a response, without what no replay may carry
     (``Set-Cookie``, hop-by-hop headers, ``not_replayed``), whatever was stored."""
     answer = answer_only(stored, not_replayed)
-    headers = [pair for pair in answer.headers if pair[0].lower() not in NOT_REPLAYED_HEADERS]
+    headers = [pair for pair in answer.headers if _kept(pair[0], NOT_REPLAYED_HEADERS)]
     response = Response(stored.body, status=stored.status, headers=headers)
     response.headers[profile.replayed_header] = "true"
     return response
