@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 from collections.abc import Callable
 
 from flask import Response
@@ -53,6 +54,9 @@ EXPOSED_HEADERS = (
 
 #: PostgreSQL's ``smallint``, the column of a stored status.
 _STATUS_RANGE = range(-32768, 32768)
+#: What ``jsonb`` text cannot hold: a NUL, or a surrogate (in a ``str`` every one is
+#: lone, and UTF-8 has no encoding for it).
+_UNSTORABLE_TEXT = re.compile("[\x00\ud800-\udfff]")
 
 
 def _kept(name: str, dropped: frozenset[str]) -> bool:
@@ -97,13 +101,7 @@ def storable(stored: StoredResponse) -> bool:
     an outage that a client would retry, running the view each time.
     """
     text = "".join(name + value for name, value in stored.headers)
-    if stored.status not in _STATUS_RANGE or "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")  # refuses a lone surrogate
-    except UnicodeEncodeError:
-        return False
-    return True
+    return stored.status in _STATUS_RANGE and not _UNSTORABLE_TEXT.search(text)
 
 
 def capture(response: Response, max_body: int, *, omit_oversize: bool) -> StoredResponse:
@@ -125,9 +123,7 @@ def capture(response: Response, max_body: int, *, omit_oversize: bool) -> Stored
     else:
         body = _buffer_stream(response, max_body, omit_oversize)
     if body is None:
-        return StoredResponse(
-            response.status_code, (*headers, (OMITTED_HEADER, OMITTED_VALUE)), b""
-        )
+        headers, body = (*headers, (OMITTED_HEADER, OMITTED_VALUE)), b""
     return StoredResponse(response.status_code, headers, body)
 
 
