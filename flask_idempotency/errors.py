@@ -263,10 +263,8 @@ def refused_as_data(exc: BaseException) -> bool:
     driver error it was raised from: an answer, not an outage, and no retry helps."""
     seen: BaseException | None = exc
     for _ in range(4):  # the store's error, the driver's, perhaps SQLAlchemy's around it
-        if seen is None:
-            return False
         code = getattr(seen, "pgcode", None) or getattr(seen, "sqlstate", None)
         if code:
             return str(code).startswith(DATA_EXCEPTION_CLASS)
-        seen = seen.__cause__ or getattr(seen, "orig", None)
-    return False
+        seen = getattr(seen, "__cause__", None) or getattr(seen, "orig", None)
+    return False  # (past the end of the chain ``seen`` is None, and has neither)
