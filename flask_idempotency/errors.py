@@ -30,11 +30,15 @@ class IdempotencyError(HTTPException):
     retry_after: int | None = None
     #: Whether sending the same request again gets the same answer: in the
     #: ``stripe`` profile such an error says ``Stripe-Should-Retry: false``, since
-    #: Stripe's SDKs retry every ``409`` and ``5xx`` unless told not to.
+    #: Stripe's SDKs retry every ``409`` and ``5xx`` unless told not to. One that
+    #: is not final carries ``Retry-After``: by default the current app's
+    #: ``IDEMPOTENCY_RETRY_AFTER`` (1 outside an app).
     final = True
 
     def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
         super().__init__(description)
+        if retry_after is None and not self.final:
+            retry_after = current_retry_after()
         if retry_after is not None:
             self.retry_after = max(0, int(retry_after))
 
@@ -119,7 +123,6 @@ class RequestInProgress(IdempotencyError):
     title = "Request with this Idempotency-Key in progress"
     error_code = "in_progress"
     description = "A request with this Idempotency-Key is still being processed; retry later."
-    retry_after = 1
     final = False
 
 
@@ -131,7 +134,6 @@ class LeaseLost(IdempotencyError):
         "This request took longer than its lease and another request with the same "
         "Idempotency-Key took over; nothing of this attempt was kept. Retry to get the result."
     )
-    retry_after = 1
     final = False
 
 
@@ -149,10 +151,6 @@ class StoreUnavailable(IdempotencyError, StoreUnavailableError):
     error_code = "store_unavailable"
     description = "The idempotency store is unavailable; the request was not processed."
     final = False
-
-    def __init__(self, description: str | None = None, *, retry_after: int | None = None) -> None:
-        wait = current_retry_after() if retry_after is None else retry_after
-        super().__init__(description, retry_after=wait)
 
 
 class SchemaMissing(IdempotencyError, SchemaMismatchError):
@@ -265,10 +263,8 @@ def refused_as_data(exc: BaseException) -> bool:
     driver error it was raised from: an answer, not an outage, and no retry helps."""
     seen: BaseException | None = exc
     for _ in range(4):  # the store's error, the driver's, perhaps SQLAlchemy's around it
-        if seen is None:
-            return False
         code = getattr(seen, "pgcode", None) or getattr(seen, "sqlstate", None)
         if code:
             return str(code).startswith(DATA_EXCEPTION_CLASS)
-        seen = seen.__cause__ or getattr(seen, "orig", None)
-    return False
+        seen = getattr(seen, "__cause__", None) or getattr(seen, "orig", None)
+    return False  # (past the end of the chain ``seen`` is None, and has neither)

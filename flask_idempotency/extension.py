@@ -158,10 +158,21 @@ class Idempotency:
                     "idempotency: PostgreSQL unreachable at start (%s); migrating once it answers",
                     exc,
                 )
-        else:
-            _check_schema(store)
-        if not _loaded_by_a_flask_command():
-            state.cache.prepare()
+        if _loaded_by_a_flask_command():
+            # The ``flask`` command loads the app to find one of its commands
+            # (``flask idempotency migrate``, ``flask db upgrade``): those are how the
+            # schema gets made, and an ERROR before them would name the very command
+            # being run. ``flask run`` and ``flask shell`` load it from their own command.
+            return
+        if not settings.auto_migrate:
+            # Name a forgotten ``migrate`` at start-up, where the database answers (one
+            # small query; ``schema.py`` logs the problem). Where it does not, the first
+            # request that reaches it reads the ledger instead.
+            try:
+                store.schema.check()
+            except StoreUnavailableError as exc:
+                log.warning("idempotency: schema not checked at start, PostgreSQL failed (%s)", exc)
+        state.cache.prepare()
 
     # -- decorators ---------------------------------------------------------
 
@@ -298,24 +309,6 @@ class Idempotency:
             state.store.schema.ensure()
         except StoreUnavailableError as exc:
             raise from_store_error(exc, state.settings.retry_after) from exc
-
-
-def _check_schema(store: PostgresStore | MemoryStore) -> None:
-    """Name a forgotten ``migrate`` at start-up, where the database answers (one
-    small query; ``schema.py`` logs the problem). Where it does not, the first
-    request that reaches it reads the ledger instead.
-
-    Not when the ``flask`` command loads the app to find one of its commands
-    (``flask idempotency migrate``, ``flask db upgrade``): those are how the
-    schema gets made, and an ERROR before them would name the very command
-    being run. ``flask run`` and ``flask shell`` load it from their own command.
-    """
-    if _loaded_by_a_flask_command():
-        return
-    try:
-        store.schema.check()
-    except StoreUnavailableError as exc:
-        log.warning("idempotency: schema not checked at start, PostgreSQL failed (%s)", exc)
 
 
 def _loaded_by_a_flask_command() -> bool:

@@ -9,30 +9,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import re
 from collections.abc import Callable
 
 from flask import Response
-from werkzeug.http import parse_set_header
+from werkzeug.http import is_hop_by_hop_header, parse_set_header
 
 from .profiles import IETF, OMITTED_HEADER, OMITTED_VALUE, SHOULD_RETRY_HEADER, STRIPE, Profile
 from .store.base import StoredResponse
 
-#: Not replayed: hop-by-hop headers, per-answer headers the server sets again,
-#: the length (recomputed), cookies (a replay must never hand out a session),
-#: and our own markers.
+#: Not replayed: hop-by-hop headers (Werkzeug's ``is_hop_by_hop_header`` list of
+#: RFC 2616's, and these two spellings outside it), per-answer headers the server
+#: sets again, the length (recomputed), cookies (a replay must never hand out a
+#: session), and our own markers.
 NOT_STORED_HEADERS = frozenset(
     h.lower()
     for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
         "Proxy-Connection",
-        "TE",
-        "Trailer",
         "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
         "Date",
         "Server",
         "Content-Length",
@@ -60,6 +54,14 @@ EXPOSED_HEADERS = (
 
 #: PostgreSQL's ``smallint``, the column of a stored status.
 _STATUS_RANGE = range(-32768, 32768)
+#: What ``jsonb`` text cannot hold: a NUL, or a surrogate (in a ``str`` every one is
+#: lone, and UTF-8 has no encoding for it).
+_UNSTORABLE_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def _kept(name: str, dropped: frozenset[str]) -> bool:
+    """Whether a header may be stored or replayed: not hop-by-hop, nor in ``dropped``."""
+    return name.lower() not in dropped and not is_hop_by_hop_header(name)
 
 
 class NotStorable(Exception):
@@ -99,13 +101,7 @@ def storable(stored: StoredResponse) -> bool:
     an outage that a client would retry, running the view each time.
     """
     text = "".join(name + value for name, value in stored.headers)
-    if stored.status not in _STATUS_RANGE or "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")  # refuses a lone surrogate
-    except UnicodeEncodeError:
-        return False
-    return True
+    return stored.status in _STATUS_RANGE and not _UNSTORABLE_TEXT.search(text)
 
 
 def capture(response: Response, max_body: int, *, omit_oversize: bool) -> StoredResponse:
@@ -117,9 +113,7 @@ def capture(response: Response, max_body: int, *, omit_oversize: bool) -> Stored
     (``omit_oversize``; the client still gets all of it, the rest of a stream
     flowing on untouched) or refused with :class:`NotStorable`.
     """
-    headers = tuple(
-        [pair for pair in response.headers if pair[0].lower() not in NOT_STORED_HEADERS]
-    )
+    headers = tuple([pair for pair in response.headers if _kept(pair[0], NOT_STORED_HEADERS)])
     if response.is_sequence and not response.direct_passthrough:
         body: bytes | None = response.get_data()
         if body is not None and len(body) > max_body:
@@ -129,9 +123,7 @@ def capture(response: Response, max_body: int, *, omit_oversize: bool) -> Stored
     else:
         body = _buffer_stream(response, max_body, omit_oversize)
     if body is None:
-        return StoredResponse(
-            response.status_code, (*headers, (OMITTED_HEADER, OMITTED_VALUE)), b""
-        )
+        headers, body = (*headers, (OMITTED_HEADER, OMITTED_VALUE)), b""
     return StoredResponse(response.status_code, headers, body)
 
 
@@ -178,7 +170,7 @@ def replay(
     """The stored answer as a response, without what no replay may carry
     (``Set-Cookie``, hop-by-hop headers, ``not_replayed``), whatever was stored."""
     answer = answer_only(stored, not_replayed)
-    headers = [pair for pair in answer.headers if pair[0].lower() not in NOT_REPLAYED_HEADERS]
+    headers = [pair for pair in answer.headers if _kept(pair[0], NOT_REPLAYED_HEADERS)]
     response = Response(stored.body, status=stored.status, headers=headers)
     response.headers[profile.replayed_header] = "true"
     return response

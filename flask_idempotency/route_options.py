@@ -92,38 +92,32 @@ class EffectiveOptions:
     oversize: str
 
 
-def seconds(name: str, value: float | timedelta | None, *, allow_zero: bool) -> float | None:
-    """A decorator's seconds option as a float, or ``ValueError`` naming it."""
+def seconds(
+    option: str, value: float | timedelta | None, *, allow_zero: bool = False
+) -> float | None:
+    """A seconds option as a float (``None`` stays ``None``), or ``ValueError``
+    naming ``option`` (``"idempotency route option ttl"``...): route, consumer and
+    event options alike."""
     if value is None:
         return None
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"idempotency route option {name}= must be a number of seconds")
+        raise ValueError(f"{option}= must be a number of seconds")
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         qualifier = "0 or more" if allow_zero else "positive"
-        raise ValueError(f"idempotency route option {name}= must be {qualifier}, got {value!r}")
+        raise ValueError(f"{option}= must be {qualifier}, got {value!r}")
     return float(value)
 
 
-def route_options(
-    required: bool,
-    *,
-    ttl: float | timedelta | None = None,
-    lease: float | timedelta | None = None,
-    wait: float | timedelta | None = None,
-    **functions: Any,
-) -> RouteOptions:
-    """A route's options as the decorator got them (seconds as numbers or
-    ``timedelta``), checked when it is applied; ``functions``: the callables and
-    ``oversize`` of :class:`RouteOptions`."""
-    return RouteOptions(
-        required,
-        ttl=seconds("ttl", ttl, allow_zero=False),
-        lease=seconds("lease", lease, allow_zero=False),
-        wait=seconds("wait", wait, allow_zero=True),
-        **functions,
-    )
+def route_options(required: bool, **options: Any) -> RouteOptions:
+    """A route's options as the decorator got them (``ttl``, ``lease`` and ``wait``
+    in seconds, as numbers or ``timedelta``), checked when it is applied; the
+    others: the callables and ``oversize`` of :class:`RouteOptions`."""
+    for name in ("ttl", "lease", "wait"):
+        option = f"idempotency route option {name}"
+        options[name] = seconds(option, options.get(name), allow_zero=name == "wait")
+    return RouteOptions(required, **options)
 
 
 def check_against_settings(options: RouteOptions, settings: Settings) -> EffectiveOptions:

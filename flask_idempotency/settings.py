@@ -252,22 +252,16 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
     return settings
 
 
-#: The bounds of the numeric settings: which, the rule as said, and its test.
-_BOUNDS: tuple[tuple[tuple[str, ...], str, Callable[[float], bool]], ...] = (
-    (
-        ("ttl", "lease", "pool_timeout", "connect_timeout", "statement_timeout", "redis_timeout")
-        + ("redis_breaker_cooldown", "store_breaker_cooldown"),
-        "be positive",
-        lambda value: value > 0,
-    ),
-    (
-        ("pool_size", "redis_breaker_threshold", "store_breaker_threshold"),
-        "be at least 1",
-        lambda value: value >= 1,
-    ),
-    (("retry_after", "wait", "max_stored_body"), "not be negative", lambda value: value >= 0),
-    (("lock_timeout",), "not be negative (0 = no lock timeout)", lambda value: value >= 0),
-)
+#: The bounds of the numeric settings: the rule as said, and the settings it binds.
+#: Those that "be" something refuse 0 (the "at least 1" ones are integers); the
+#: others only what is below it. A NaN fails every rule.
+_BOUNDS: dict[str, tuple[str, ...]] = {
+    "be positive": ("ttl", "lease", "pool_timeout", "connect_timeout", "statement_timeout")
+    + ("redis_timeout", "redis_breaker_cooldown", "store_breaker_cooldown"),
+    "be at least 1": ("pool_size", "redis_breaker_threshold", "store_breaker_threshold"),
+    "not be negative": ("retry_after", "wait", "max_stored_body"),
+    "not be negative (0 = no lock timeout)": ("lock_timeout",),
+}
 
 
 def validate(settings: Settings, engine_given: bool) -> None:
@@ -284,9 +278,10 @@ def validate(settings: Settings, engine_given: bool) -> None:
         )
     if not settings.key_header or not settings.key_header.isascii():
         raise ValueError("IDEMPOTENCY_KEY_HEADER must be a non-empty ASCII header name")
-    for names, rule, holds in _BOUNDS:
+    for rule, names in _BOUNDS.items():
         for name in names:
-            if not holds(getattr(settings, name)):
+            value = getattr(settings, name)
+            if not (value >= 0 if rule.startswith("not") else value > 0):
                 raise ValueError(f"{config_key(name)} must {rule}")
     if settings.ttl < settings.lease:
         raise ValueError("IDEMPOTENCY_TTL must be at least IDEMPOTENCY_LEASE")

@@ -116,11 +116,9 @@ class AppState:
 
 def app_state(app: Flask | None = None) -> AppState:
     """The extension's state on ``app`` (the current app when not given)."""
-    extensions = (app if app is not None else current_app).extensions
-    try:
-        state: AppState = extensions[EXTENSION_KEY]
-    except KeyError:
-        raise RuntimeError("flask_idempotency is not initialised on this app") from None
+    state = find_app_state(app if app is not None else current_app)
+    if state is None:
+        raise RuntimeError("flask_idempotency is not initialised on this app")
     return state
 
 

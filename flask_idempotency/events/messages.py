@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from ..route_options import seconds
 from ..store.base import StoredResponse
-from .outbox import positive_seconds
 
 
 class ConsumerOutcome(enum.Enum):
@@ -158,10 +158,10 @@ def consumer_options(
         name=name,
         key=key or message_id_key,
         max_attempts=max_attempts,
-        lease=positive_seconds(option + "lease", lease),
-        ttl=positive_seconds(option + "ttl", ttl),
-        retry_delay=positive_seconds(option + "retry_delay", retry_delay) or 1.0,
-        max_retry_delay=positive_seconds(option + "max_retry_delay", max_retry_delay) or 60.0,
-        busy_delay=positive_seconds(option + "busy_delay", busy_delay) or 1.0,
+        lease=seconds(option + "lease", lease),
+        ttl=seconds(option + "ttl", ttl),
+        retry_delay=seconds(option + "retry_delay", retry_delay) or 1.0,
+        max_retry_delay=seconds(option + "max_retry_delay", max_retry_delay) or 60.0,
+        busy_delay=seconds(option + "busy_delay", busy_delay) or 1.0,
         max_worker_losses=max_worker_losses,
     )

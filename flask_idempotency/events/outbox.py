@@ -40,6 +40,7 @@ from typing import Any
 from flask import g
 
 from .. import digests
+from ..route_options import seconds
 
 #: ``derived_key`` purpose of the key an event carries (``digests.derived_key``).
 DERIVED_KEY_PURPOSE = "events"
@@ -141,16 +142,6 @@ def check_event_type(event_type: str) -> None:
         )
 
 
-def positive_seconds(option: str, value: float | timedelta | None) -> float | None:
-    """``value`` in seconds (``None`` stays ``None``), or ``ValueError`` naming ``option``."""
-    if value is None:
-        return None
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if not seconds > 0:
-        raise ValueError(f"{option}= must be positive, got {value!r}")
-    return seconds
-
-
 @dataclasses.dataclass
 class EmitScope:
     """Where events of one transaction come from: its record (if any) and attempt."""
@@ -169,7 +160,7 @@ class EmitScope:
         eid = event_id(self.record_key, self.token, self.emitted)
         key = self.record_key
         derived = None if key is None else digests.derived_key(key, DERIVED_KEY_PURPOSE)
-        keep = positive_seconds("an event's ttl", ttl) or self.default_ttl
+        keep = seconds("an event's ttl", ttl) or self.default_ttl
         with conn.cursor() as cur:
             cur.execute(INSERT_EVENT, (eid, key, derived, event_type, body, keep))
         self.emitted += 1
