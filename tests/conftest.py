@@ -23,6 +23,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# SQLAlchemy's PostgreSQL dialect registers its SQL functions in a process-wide
+# registry when first imported. pytester's in-process runs (tests/tooling) take the
+# modules they imported out of sys.modules again, so a later import registered them
+# twice, which SQLAlchemy warns about (an error here): imported once, up front.
+import sqlalchemy.dialects.postgresql  # noqa: F401
 from pytest_postgresql import factories
 
 from flask_idempotency.testing.databases import dsn_for, noproc_arguments
