@@ -77,7 +77,7 @@ class Attempt:
     phases: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Names of the phases this attempt has reached (each may appear once).
     phases_reached: set[str] = dataclasses.field(default_factory=set)
-    # -- for the outcome's metrics, log event and spans (``metrics.Metrics``)
+    # -- for the outcome's metrics, log event and spans (``metrics.RequestFacts``)
     #: ``time.monotonic()`` when the decorator took the request.
     started: float = 0.0
     #: The request itself (not Flask's proxy: reading it costs nothing).

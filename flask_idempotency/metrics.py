@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from flask import Request, has_request_context, request
 from werkzeug.exceptions import HTTPException
@@ -32,9 +32,6 @@ from .observer import (
 from .request_log import BREAKER_REFUSAL_LEVEL, LEVELS, TAKEOVER_LEVEL, log, log_event
 from .store.base import BreakerOpenError, LeaseLostError, StoreUnavailableError
 
-if TYPE_CHECKING:  # what the hub reads of a request: the fields its outcome is reported with
-    from .engine import Attempt
-
 #: The snapshot counter of each outcome but a replay, whose counter depends on its
 #: source: an executed request whose answer was stored is ``completed``.
 _COUNTER: dict[RequestOutcome, str] = {outcome: outcome.value for outcome in RequestOutcome}
@@ -50,6 +47,21 @@ NAMES = ("executed", "takeovers", *_REPLAY_COUNTER.values(), *_COUNTER.values())
 #: The outcomes of a request refused before anything was claimed (each the error
 #: code of the refusal, but ``body_too_large``: any 413).
 _REFUSALS = {"invalid_key", "missing_key", "missing_scope", "malformed_body", "body_too_large"}
+
+
+class RequestFacts(Protocol):
+    """What the hub reads of a request (an ``engine.Attempt``): the fields its outcome
+    is reported with. A protocol, so that this module, below the engine, does not
+    import it."""
+
+    record_key: bytes | None
+    token: int | None
+    scope: str | None
+    request: Request | None
+    started: float
+    takeover: bool
+    claim_seconds: float
+    completion_seconds: float | None
 
 
 class Metrics:
@@ -73,7 +85,7 @@ class Metrics:
 
     # -- the request path ------------------------------------------------------
 
-    def claimed(self, ctx: Attempt) -> None:
+    def claimed(self, ctx: RequestFacts) -> None:
         """A claim was won; the view runs next."""
         with self._lock:
             self._counts["executed"] += 1
@@ -84,7 +96,7 @@ class Metrics:
 
     def record(
         self,
-        ctx: Attempt | None,
+        ctx: RequestFacts | None,
         outcome: RequestOutcome,
         *,
         source: str | None = None,
@@ -139,7 +151,7 @@ class Metrics:
     def stage(
         self,
         stage: Stage,
-        ctx: Attempt,
+        ctx: RequestFacts,
         *,
         source: str | None = None,
         status: int | None = None,
