@@ -268,11 +268,9 @@ def assert_idempotent(
         )
 
     statuses = Counter(a.status for a in got)
-    still_running = [a for a in got if a.in_progress]
+    still_running = sum(a.in_progress for a in got)
     if still_running:
-        problems.append(
-            f"{len(still_running)} duplicates were still answered 409 after {timeout:g}s"
-        )
+        problems.append(f"{still_running} duplicates were still answered 409 after {timeout:g}s")
     if len(statuses) > 1:
         shown = ", ".join(f"{n}×{status}" for status, n in statuses.most_common())
         odd = next(a for a in got if a.status != statuses.most_common(1)[0][0])
