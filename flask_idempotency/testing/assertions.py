@@ -230,15 +230,14 @@ def assert_idempotent(
     __tracebackhide__ = True
     if duplicates < 2:
         raise ValueError("duplicates must be at least 2")
-    method = method.upper()
     sent_headers = dict(headers or {})
     for name in list(sent_headers):
         if name.lower() == key_header.lower():
             given = sent_headers.pop(name)  # sent once, under key_header
             key = key or given
     sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
-    body = _encode(json, data, sent_headers)
-    sent = _Request(url, method, sent_headers, body, timeout)
+    # (_encode adds the Content-Type of a json= body to sent_headers.)
+    sent = _Request(url, method.upper(), sent_headers, _encode(json, data, sent_headers), timeout)
 
     started_executions = executions() if executions is not None else 0
     # The records there before the check: the check must add exactly one.
@@ -327,7 +326,7 @@ def assert_idempotent(
             )
 
     before_probe = executions() if executions is not None else 0
-    probe = _send(dataclasses.replace(sent, body=_mismatched(body)))
+    probe = _send(dataclasses.replace(sent, body=_mismatched(sent.body)))
     if probe.status != 422:
         problems.append(
             f"the same key with a different body answered {probe.status}, expected 422 "
@@ -344,7 +343,7 @@ def assert_idempotent(
 
     if problems:
         raise AssertionError(
-            f"{method} {urlsplit(url).path or '/'} is not idempotent under "
+            f"{sent.method} {urlsplit(url).path or '/'} is not idempotent under "
             f"{duplicates} concurrent duplicates:\n  - " + "\n  - ".join(problems)
         )
     return IdempotencyReport(
