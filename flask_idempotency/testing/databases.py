@@ -58,8 +58,7 @@ def dsn_for(server: Any, dbname: str, *, dsn: str | None = None) -> str:
     """
     if dsn is not None:
         if "://" in dsn:
-            parts = urlsplit(dsn)
-            return urlunsplit(parts._replace(path="/" + quote(dbname, safe="")))
+            return urlunsplit(urlsplit(dsn)._replace(path="/" + quote(dbname, safe="")))
         import psycopg2.extensions
 
         return str(psycopg2.extensions.make_dsn(dsn, dbname=dbname))
@@ -90,14 +89,9 @@ def janitor(server: Any, dbname: str, template: str | None = None) -> Any:
     """pytest-postgresql's ``DatabaseJanitor`` for ``dbname`` (a copy of ``template``)."""
     from pytest_postgresql.janitor import DatabaseJanitor
 
-    kwargs: dict[str, Any] = {
-        "user": server.user,
-        "host": server.host,
-        "port": server.port,
-        "dbname": dbname,
-        "template_dbname": template,
-        "password": server.password,
-    }
+    kwargs: dict[str, Any] = {"dbname": dbname, "template_dbname": template}
+    # The server's connection parameters: the janitor takes them under the same names.
+    kwargs.update((name, getattr(server, name)) for name in ("user", "host", "port", "password"))
     # Older pytest-postgresql releases require the server version; newer ones deprecate it.
     version = inspect.signature(DatabaseJanitor).parameters.get("version")
     if version is not None and version.default is inspect.Parameter.empty:

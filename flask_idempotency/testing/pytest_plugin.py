@@ -34,7 +34,6 @@ import contextlib
 import os
 import types
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -90,17 +89,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _configured_dsn(config: pytest.Config) -> str:
-    return str(
+def pytest_configure(config: pytest.Config) -> None:
+    dsn = config.stash[_dsn_key] = str(
         config.getoption("idempotency_dsn")
         or config.getini("idempotency_dsn")
         or os.environ.get(DSN_ENV, "")
     ).strip()
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    dsn = _configured_dsn(config)
-    config.stash[_dsn_key] = dsn
     if not dsn:
         return
     # An existing server was named: this run opted in, so pytest-postgresql is needed now.
@@ -120,11 +114,6 @@ def _database_scope(fixture_name: str, config: pytest.Config) -> Any:
     if scope not in _SCOPES:
         raise pytest.UsageError(f"idempotency_db_scope must be one of {_SCOPES}, not {scope!r}")
     return scope
-
-
-def _migration_dirs(config: pytest.Config) -> list[str]:
-    base = config.inipath.parent if config.inipath is not None else config.rootpath
-    return [str(base / Path(entry)) for entry in config.getini("idempotency_migration_dirs")]
 
 
 @pytest.fixture(scope="session")
@@ -186,19 +175,20 @@ def idempotency_database_template(
     request: pytest.FixtureRequest, idempotency_postgresql: Any
 ) -> Iterator[str]:
     """Name of the session's template database: the extension's tables, migrated once."""
-    server = idempotency_postgresql
-    dsn = request.config.stash[_dsn_key] or None
-    extra_dirs = _migration_dirs(request.config)
+    server, config = idempotency_postgresql, request.config
+    # idempotency_migration_dirs' entries are relative to the ini file (else the rootdir).
+    base = config.inipath.parent if config.inipath is not None else config.rootpath
+    extra_dirs = [str(base / entry) for entry in config.getini("idempotency_migration_dirs")]
+    dsn = config.stash[_dsn_key] or None
     if dsn is not None:
         # pytest-postgresql's noproc factory made this template (with any postgresql_load).
-        name = str(server.template_dbname)
+        name, made = str(server.template_dbname), contextlib.nullcontext()
+    else:
+        # On its process fixture's server: a copy of its template (with any postgresql_load).
+        name = f"{databases.base_name()}_tmpl"
+        made = databases.janitor(server, name, getattr(server, "template_dbname", None))
+    with made:
         databases.migrate(databases.dsn_for(server, name, dsn=dsn), extra_dirs)
-        yield name
-        return
-    # On its process fixture's server: a copy of its template (with any postgresql_load).
-    name = f"{databases.base_name()}_tmpl"
-    with databases.janitor(server, name, getattr(server, "template_dbname", None)):
-        databases.migrate(databases.dsn_for(server, name), extra_dirs)
         yield name
 
 

@@ -40,8 +40,7 @@ USE_A_SERVER = (
 _SHIM = """\
 import hashlib, os, sys
 
-REAL, UID, GID, HOMES = {real!r}, {uid}, {gid}, {homes!r}
-INITDB_OPTIONS, CLEAN_ENV = {initdb_options!r}, {clean_env!r}
+REAL, UID, GID, HOMES, INITDB_OPTIONS, CLEAN_ENV = {settings!r}
 
 
 def relocate(path, create_marker):
@@ -56,19 +55,15 @@ def relocate(path, create_marker):
 
 
 args = sys.argv[1:]
-command = args[0] if args else ""
+initdb = args[:1] == ["initdb"]
 out = []
-i = 0
-while i < len(args):
-    out.append(args[i])
-    if args[i] in ("-D", "--pgdata", "-l", "--log") and i + 1 < len(args):
-        is_data = args[i] in ("-D", "--pgdata")
-        out.append(relocate(args[i + 1], create_marker=is_data and command == "initdb"))
-        i += 1
-    elif INITDB_OPTIONS and args[i] == "-o" and command == "initdb" and i + 1 < len(args):
-        out.append(args[i + 1] + " " + INITDB_OPTIONS)
-        i += 1
-    i += 1
+rest = iter(args)  # an option's value is taken from here too, so it is not read as an option
+for arg in rest:
+    out.append(arg)
+    if arg in ("-D", "--pgdata", "-l", "--log") and (value := next(rest, None)) is not None:
+        out.append(relocate(value, create_marker=initdb and arg in ("-D", "--pgdata")))
+    elif INITDB_OPTIONS and initdb and arg == "-o" and (value := next(rest, None)) is not None:
+        out.append(value + " " + INITDB_OPTIONS)
 env = dict(os.environ)
 if CLEAN_ENV:
     env = dict((k, v) for k, v in env.items() if not k.startswith("PG"))
@@ -170,16 +165,8 @@ def wrapper_for(
     homes.mkdir(mode=0o700)
     os.chown(homes, runs_as.pw_uid, runs_as.pw_gid)
     shim = workdir / "pg_ctl_as_user.py"
-    shim.write_text(
-        _SHIM.format(
-            real=str(real),
-            uid=runs_as.pw_uid,
-            gid=runs_as.pw_gid,
-            homes=str(homes),
-            initdb_options=initdb_options,
-            clean_env=clean_environment,
-        )
-    )
+    where = (str(real), runs_as.pw_uid, runs_as.pw_gid, str(homes))  # REAL, UID, GID, HOMES
+    shim.write_text(_SHIM.format(settings=(*where, initdb_options, clean_environment)))
     wrapper = workdir / "pg_ctl"
     python = shlex.quote(sys.executable)
     wrapper.write_text(f'#!/bin/sh\nexec {python} -I -S {shlex.quote(str(shim))} "$@"\n')
