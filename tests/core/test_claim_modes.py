@@ -16,6 +16,7 @@ from flask import Flask
 
 from flask_idempotency.store.base import Claimed, StoredResponse, StoreUnavailableError
 from flask_idempotency.store.sql import advisory_locks
+from support.waiting import wait_until
 
 MakeApp = Callable[..., Flask]
 TRANSACTION = {"IDEMPOTENCY_CLAIM_MODE": "transaction"}
@@ -57,6 +58,15 @@ def test_a_killed_holder_frees_its_key_at_once_and_its_completion_keeps_nothing(
     assert held == [(2,)]
 
     sql(database_url, "SELECT pg_terminate_backend(%s)", (row[0],))  # the worker dies
+    # pg_terminate_backend only signals: the session's locks go when its process exits.
+    wait_until(
+        lambda: (
+            sql(database_url, "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (row[0],))
+            == [(0,)]
+        ),
+        10,
+        "the terminated session to exit",
+    )
 
     taker = store.begin()
     try:
