@@ -66,8 +66,12 @@ class CommandsOnDemand(AppGroup):
         self._commands().format_help(ctx, formatter)  # its help text and examples
 
     def invoke(self, ctx: click.Context) -> Any:
-        # The group's own invoke: it ends a command on an unreachable store in one line.
-        return self._commands().invoke(ctx)
+        """A PostgreSQL that does not answer ends any command in one line (exit 1)
+        instead of a traceback; a command adds what it did before, if anything."""
+        try:
+            return super().invoke(ctx)
+        except StoreUnavailableError as exc:
+            raise click.ClickException(str(exc)) from exc
 
 
 class Idempotency:

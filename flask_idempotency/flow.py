@@ -1,9 +1,11 @@
-"""An attempt's two decisions, as pure functions over plain values.
+"""An attempt's claim decision, as pure functions over plain values.
 
 ``decide`` turns what the store (or cache) said into one of a closed set of
-outcomes; ``settlement`` says how a finished attempt is to be settled. Neither
-does I/O nor touches Flask, so every row of the contract's table is testable
-alone.
+outcomes (run, replay, refuse), and ``retry_after_seconds`` says when a refused
+duplicate may come back. Neither does I/O nor touches Flask, so every row of the
+contract's table for a claim is testable alone. How a finished attempt is settled
+(store its answer or release the claim) is asked of the answer itself, in
+``engine.Attempt.capture``: whether the route keeps its status, then its size.
 """
 
 from __future__ import annotations

@@ -255,12 +255,14 @@ def settings_from_config(config: Mapping[str, Any], *, engine_given: bool = Fals
 #: The bounds of the numeric settings: the rule as said, and the settings it binds.
 #: Those that "be" something refuse 0 (the "at least 1" ones are integers); the
 #: others only what is below it. A NaN fails every rule.
-_BOUNDS: dict[str, tuple[str, ...]] = {
-    "be positive": ("ttl", "lease", "pool_timeout", "connect_timeout", "statement_timeout")
-    + ("redis_timeout", "redis_breaker_cooldown", "store_breaker_cooldown"),
-    "be at least 1": ("pool_size", "redis_breaker_threshold", "store_breaker_threshold"),
-    "not be negative": ("retry_after", "wait", "max_stored_body"),
-    "not be negative (0 = no lock timeout)": ("lock_timeout",),
+#: (what a setting must be, as the error says it; its lowest value; whether that value
+#: itself is allowed) -> the settings bound so (NaN fails every comparison: refused).
+_BOUNDS: dict[tuple[str, float, bool], tuple[str, ...]] = {
+    ("be positive", 0, False): ("ttl", "lease", "pool_timeout", "connect_timeout")
+    + ("statement_timeout", "redis_timeout", "redis_breaker_cooldown", "store_breaker_cooldown"),
+    ("be at least 1", 1, True): ("pool_size", "redis_breaker_threshold", "store_breaker_threshold"),
+    ("not be negative", 0, True): ("retry_after", "wait", "max_stored_body"),
+    ("not be negative (0 = no lock timeout)", 0, True): ("lock_timeout",),
 }
 
 
@@ -278,10 +280,10 @@ def validate(settings: Settings, engine_given: bool) -> None:
         )
     if not settings.key_header or not settings.key_header.isascii():
         raise ValueError("IDEMPOTENCY_KEY_HEADER must be a non-empty ASCII header name")
-    for rule, names in _BOUNDS.items():
+    for (rule, lowest, allowed), names in _BOUNDS.items():
         for name in names:
             value = getattr(settings, name)
-            if not (value >= 0 if rule.startswith("not") else value > 0):
+            if not (value >= lowest if allowed else value > lowest):
                 raise ValueError(f"{config_key(name)} must {rule}")
     if settings.ttl < settings.lease:
         raise ValueError("IDEMPOTENCY_TTL must be at least IDEMPOTENCY_LEASE")

@@ -13,7 +13,6 @@ script must give it); 130 / 143 stopped between batches by SIGINT / SIGTERM.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import click
 from flask import current_app
@@ -45,18 +44,7 @@ Exit status:
 """
 
 
-class _Commands(AppGroup):
-    """The group: a PostgreSQL that does not answer ends any command in one line
-    (exit 1) instead of a traceback; a command adds what it did before, if anything."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except StoreUnavailableError as exc:
-            raise click.ClickException(str(exc)) from exc
-
-
-group = _Commands(
+group = AppGroup(
     "idempotency",
     help="Maintain the idempotency records: migrate, purge, inspect, unlock, recover, "
     "relay events.",
