@@ -197,9 +197,9 @@ def record(attempt: Attempt, outcome: RequestOutcome, **details: Any) -> None:
         attempt.app_state.metrics.record(attempt, outcome, **details)
 
 
-def _pass_through(attempt: Attempt) -> RequestOutcome:
-    """A request with no key to deduplicate: a safe method, or an optional route
-    called without one. (A keyed one that no settlement saw was released.)"""
+def _unsettled_outcome(attempt: Attempt) -> RequestOutcome:
+    """The outcome of a request no claim settled: with no key to deduplicate, a safe
+    method or an optional route called without one; with a key, released."""
     if attempt.record_key is not None:
         return RequestOutcome.RELEASED
     return RequestOutcome.SAFE_METHOD if request.method in SAFE_METHODS else RequestOutcome.KEYLESS
@@ -249,7 +249,7 @@ def _settle(attempt: Attempt, response: Response) -> Response:
         return response
     if attempt.record_key is None:
         response = _settle_keyless(attempt, response)
-        record(attempt, _pass_through(attempt), status=response.status_code)
+        record(attempt, _unsettled_outcome(attempt), status=response.status_code)
         return response
     return _settle_claim(attempt, response)
 
@@ -333,4 +333,4 @@ def teardown_request(exc: BaseException | None) -> None:
     _release(attempt)
     attempt.close()
     # A pass-through, or an answer no settlement saw (``record`` keeps the first).
-    record(attempt, _pass_through(attempt))
+    record(attempt, _unsettled_outcome(attempt))

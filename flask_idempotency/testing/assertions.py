@@ -236,8 +236,8 @@ def assert_idempotent(
             given = sent_headers.pop(name)  # sent once, under key_header
             key = key or given
     sent_headers[key_header] = key or f"assert-idempotent-{secrets.token_hex(16)}"
-    # (_encode adds the Content-Type of a json= body to sent_headers.)
-    sent = _Request(url, method.upper(), sent_headers, _encode(json, data, sent_headers), timeout)
+    body = _encode(json, data, sent_headers)  # (adds a json= body's Content-Type first)
+    sent = _Request(url, method.upper(), sent_headers, body, timeout)
 
     started_executions = executions() if executions is not None else 0
     # The records there before the check: the check must add exactly one.
