@@ -125,15 +125,17 @@ class Server:
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 return False
+            # Closed whatever happens: a probe that timed out while the server started
+            # left its socket to the garbage collector (a ResourceWarning in the tests).
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
                 conn.request("GET", HEALTH_PATH)
                 if conn.getresponse().status == 200:
-                    conn.close()
                     return True
-                conn.close()
             except OSError:
                 pass
+            finally:
+                conn.close()
             time.sleep(0.1)
         return False
 
