@@ -376,6 +376,15 @@ def test_after_a_broker_outage_the_worker_consumes_and_dead_letters_again_and_st
             emit_many(app, 3)  # n = 0, 1, 2: the second is dead-lettered
             Relay(app.extensions["idempotency"].store, Publisher(amqp_url, exchange)).run(once=True)
             assert len(take_all(amqp_url, queue + ".dlq", expect=1, timeout=10)) == 1
+            # The copy is in the dead-letter queue before the original is acked: cut only
+            # once the worker is past it (the third message handled after its ack), or
+            # the original comes back after the outage and is dead-lettered again.
+            handled = 2 * (outage + 1)
+            wait_until(
+                lambda: worker.counts["handled"] == handled,  # noqa: B023 (called at once)
+                10,
+                "the worker to handle the message after the poison one",
+            )
             proxy.cut()
             wait_until(lambda: not worker.connected.is_set(), 10, "the worker to see the cut")
             if outage == 0:
