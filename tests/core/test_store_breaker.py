@@ -70,6 +70,13 @@ def test_requests_queued_behind_a_silent_server_answer_within_one_deadline(
     )
     caplog.set_level(logging.INFO, logger="flask_idempotency")
     assert post(app, "warm-up")[0] == 201
+    # All three of the pool's connections open before the stall, so that the three
+    # claims hold them. (A connect that fails during the stall frees its slot without
+    # waking a request queued on SQLAlchemy's pool: that one waits out pool_timeout.)
+    engine = app.extensions["idempotency"].store.pool.engine
+    opened = [engine.connect() for _ in range(3)]
+    for connection in opened:
+        connection.close()
     proxy.stall()
     # Three claims hold the pool's connections; five more wait for one.
     results = concurrently(app, [f"queued-{n}" for n in range(8)])
