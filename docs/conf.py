@@ -43,12 +43,13 @@ autodoc_preserve_defaults = True
 # Every reference must resolve (make docs runs with -n), except to what lives in
 # other projects' docs: this build fetches no intersphinx inventory (it must work
 # offline in CI), so names from the standard library, Flask, Werkzeug, psycopg2,
-# kombu, redis-py, prometheus-client and OpenTelemetry stay plain text.
+# kombu, redis-py, prometheus-client, OpenTelemetry, requests and httpx stay plain text.
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(typing|collections|datetime|threading|logging|enum|pathlib|types|os)\..*"),
     (r"py:.*", r"(flask|werkzeug|click|psycopg2|psycopg|kombu|redis|prometheus_client)(\..*)?"),
     (r"py:.*", r"(opentelemetry|pytest|pytest_postgresql|collections\.abc)(\..*)?"),
+    (r"py:.*", r"(requests|httpx)(\..*)?"),
     (
         r"py:class",
         r"(Any|Callable|Iterator|Iterable|Mapping|Sequence|Counter|Flask|Request"

@@ -35,6 +35,7 @@ from example_app.processor_client import (
 )
 from example_app.schemas import ChargeRequest, load_charge_request, load_customer_query
 from flask_idempotency import Abandoned, SchemaMissing, StoreUnavailable
+from flask_idempotency.client import purpose_key
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def recover_charge(attempt: Abandoned) -> Response | None:
 def create_charge() -> Response:
     charge = load_charge_request(request)
     outcome = processor_client().charge(
-        idempotency.derived_key("processor"),
+        purpose_key("processor"),
         charge.amount,
         charge.currency,
         charge.customer,

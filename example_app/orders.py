@@ -36,6 +36,7 @@ from example_app.fulfilment import FulfilmentClient, FulfilmentUnavailable
 from example_app.processor_client import Charged, Declined, ProcessorUnavailable
 from example_app.schemas import OrderRequest, load_order_request
 from flask_idempotency import Abandoned, StoreUnavailable
+from flask_idempotency.client import purpose_key
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def place_order(order: OrderRequest, owner: str) -> Response:
 def _reserve(order: OrderRequest, owner: str) -> dict[str, str]:
     try:
         reservation = fulfilment_client().reserve(
-            idempotency.derived_key("reserve"), order.sku, order.quantity
+            purpose_key("reserve"), order.sku, order.quantity
         )
     except FulfilmentUnavailable as exc:
         raise StepUnavailable(str(exc)) from None
@@ -153,7 +154,7 @@ def _reserve(order: OrderRequest, owner: str) -> dict[str, str]:
 
 def _charge(order: OrderRequest, order_id: str) -> dict[str, str]:
     outcome = processor_client().charge(
-        idempotency.derived_key("processor"),
+        purpose_key("processor"),
         order.amount,
         order.currency,
         order.customer,
@@ -175,7 +176,7 @@ def _charge(order: OrderRequest, order_id: str) -> dict[str, str]:
 def _notify(order: OrderRequest, order_id: str) -> dict[str, str]:
     try:
         notification = fulfilment_client().notify(
-            idempotency.derived_key("notify"), order.customer, "order_confirmed", order_id
+            purpose_key("notify"), order.customer, "order_confirmed", order_id
         )
     except FulfilmentUnavailable as exc:
         raise StepUnavailable(str(exc)) from None

@@ -77,6 +77,8 @@ class Attempt:
     phases: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Names of the phases this attempt has reached (each may appear once).
     phases_reached: set[str] = dataclasses.field(default_factory=set)
+    #: Purposes this attempt has given downstream calls (``client.purpose_key``).
+    purposes: set[str] = dataclasses.field(default_factory=set)
     # -- for the outcome's metrics, log event and spans (``metrics.RequestFacts``)
     #: ``time.monotonic()`` when the decorator took the request.
     started: float = 0.0

@@ -38,6 +38,7 @@ COVERED: dict[Path, tuple[str, ...]] = {
     DOCS / "celery.md": ("A first idempotent task",),
     DOCS / "observability.md": (),
     DOCS / "deployment.md": ("Health checks",),
+    DOCS / "client-retries.md": (),
     DOCS / "testing.md": (MEMORY_SECTION, FSA_SECTION),
 }
 
@@ -334,6 +335,24 @@ def test_testing_a_flask_sqlalchemy_app(
     finally:
         page.stop()
     assert "1 passed" in page.results[-1].output, page.results[-1].output
+
+
+def test_client_retries_page(tmp_path: Path, page_env: dict[str, str]) -> None:
+    """The client page's calls: a payment, its replay under the kept key, the key
+    refused for another request, and orders paying downstream through purpose_key."""
+    page = make_page(DOCS / "client-retries.md", tmp_path, page_env)
+    try:
+        page.run()
+    finally:
+        page.stop()
+    output = "\n".join(result.output for result in page.results)
+    assert re.search(r"^201 py_1 1 False$", output, re.MULTILINE), output
+    assert "replayed py_1" in output
+    assert re.search(r"^refused: Idempotency-Key \(sha256 [0-9a-f]{12}\)", output, re.MULTILINE)
+    # Four orders, each paid once (py_2..py_5) by its own downstream key.
+    assert "{'order': 'mug', 'payment': 'py_2'} 1" in output, output
+    async_payments = re.findall(r"^201 (py_\d+)$", output, re.MULTILINE)
+    assert sorted(async_payments) == ["py_3", "py_4", "py_5"], output
 
 
 def test_health_check(tmp_path: Path, page_env: dict[str, str]) -> None:

@@ -43,6 +43,18 @@ PUBLIC = {
         "TaskPublisher",
         "TaskWorkerLost",
     ],
+    # The client half: requests and httpx names load on first use (the `client` extra).
+    "flask_idempotency.client": [
+        "AsyncIdempotentTransport",
+        "CallEvent",
+        "CallOutcome",
+        "IdempotentAdapter",
+        "IdempotentSession",
+        "IdempotentTransport",
+        "KeyReused",
+        "RetryPolicy",
+        "purpose_key",
+    ],
     "flask_idempotency.events": [
         "ConsumerOutcome",
         "ConsumerWorker",
@@ -70,6 +82,18 @@ def test_public_names_are_pinned(module: str) -> None:
     assert sorted(imported.__all__) == sorted(PUBLIC[module])
     for name in imported.__all__:
         getattr(imported, name)  # every listed name resolves
+
+
+def test_the_client_loads_neither_http_library_until_asked() -> None:
+    """The example app imports ``purpose_key`` without the ``client`` extra installed."""
+    code = (
+        "import json, sys; from flask_idempotency.client import purpose_key, RetryPolicy;"
+        "print(json.dumps(sorted(m for m in sys.modules if m in ('requests', 'httpx'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
+    assert json.loads(out) == []
 
 
 def test_importing_the_package_loads_no_cli_completer_or_broker_module() -> None:

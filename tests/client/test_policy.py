@@ -1,0 +1,229 @@
+"""The client half's retry rules alone: no HTTP, no clock but the one given."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+
+import pytest
+
+from flask_idempotency.client import KeyReused, RetryPolicy
+from flask_idempotency.client.policy import (
+    Call,
+    Verdict,
+    check_key,
+    classify,
+    error_code,
+    hash_key,
+    new_key,
+    replayed,
+    retry_after_seconds,
+)
+
+JSON = "application/json"
+
+
+def stripe(code: str) -> bytes:
+    return json.dumps({"error": {"type": "idempotency_error", "code": code}}).encode()
+
+
+def ietf(code: str, *, with_code: bool = True) -> bytes:
+    document = {"type": f"urn:flask-idempotency:error:{code}", "title": code, "status": 409}
+    if with_code:
+        document["code"] = code
+    return json.dumps(document).encode()
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "code"),
+    [
+        (JSON, stripe("in_progress"), "in_progress"),
+        ("application/problem+json", ietf("lease_lost"), "lease_lost"),
+        ("application/problem+json", ietf("schema_missing", with_code=False), "schema_missing"),
+        (JSON, b'{"type": "https://example.com/probs/out-of-credit"}', None),
+        (JSON, b"[1, 2]", None),
+        (JSON, b"not json", None),
+        ("text/html", stripe("in_progress"), None),  # not read: not JSON
+        (JSON, b"", None),
+        (None, stripe("in_progress"), None),
+        (JSON, b'{"error": {"code": 7}}', None),
+    ],
+)
+def test_error_code_reads_both_profiles(
+    content_type: str | None, body: bytes, code: str | None
+) -> None:
+    assert error_code(content_type, body) == code
+
+
+def test_error_code_ignores_a_huge_body() -> None:
+    padded = json.dumps({"error": {"code": "in_progress"}, "pad": "x" * 70_000}).encode()
+    assert error_code(JSON, padded) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "code", "verdict"),
+    [
+        (201, {}, None, Verdict.FINAL),
+        (402, {}, "card_declined", Verdict.FINAL),
+        (400, {}, "validation_failed", Verdict.FINAL),
+        (404, {}, None, Verdict.FINAL),
+        (422, {}, "key_reused", Verdict.KEY_REUSED),
+        (422, {}, "validation_failed", Verdict.FINAL),  # a plain validation 422
+        (409, {"Retry-After": "1"}, "in_progress", Verdict.IN_PROGRESS),
+        (409, {}, "lease_lost", Verdict.IN_PROGRESS),
+        (409, {}, "idempotency_key_in_use", Verdict.IN_PROGRESS),  # Stripe's own API
+        (409, {}, "duplicate_order", Verdict.FINAL),  # a business conflict
+        (409, {}, None, Verdict.FINAL),
+        (409, {"Retry-After": "2"}, None, Verdict.IN_PROGRESS),  # a plain server asking back
+        (408, {}, None, Verdict.RETRY),
+        (425, {}, None, Verdict.RETRY),
+        (429, {"Retry-After": "3"}, "rate_limited", Verdict.RETRY),
+        (503, {"Retry-After": "1"}, "store_unavailable", Verdict.RETRY),
+        (500, {}, None, Verdict.RETRY),
+        (502, {}, "processor_unavailable", Verdict.RETRY),
+        (500, {}, "schema_missing", Verdict.FINAL),
+        (500, {}, "schema_outdated", Verdict.FINAL),
+        (500, {}, "response_not_storable", Verdict.FINAL),
+        (500, {}, "response_too_large", Verdict.FINAL),
+        (500, {"Stripe-Should-Retry": "false"}, None, Verdict.FINAL),
+        (503, {"Stripe-Should-Retry": " False "}, None, Verdict.FINAL),
+        (500, {"Stripe-Should-Retry": "true"}, None, Verdict.RETRY),
+        (400, {"Stripe-Should-Retry": "true"}, None, Verdict.FINAL),  # never another 4xx
+    ],
+)
+def test_classify(status: int, headers: dict[str, str], code: str | None, verdict: Verdict) -> None:
+    assert classify(status, headers, code) is verdict
+
+
+def test_retry_after_reads_seconds_and_dates() -> None:
+    assert retry_after_seconds(None) is None
+    assert retry_after_seconds(" 3 ") == 3.0
+    assert retry_after_seconds("soon") is None
+    assert retry_after_seconds("-1") is None
+    date = email.utils.formatdate(1_000_030, usegmt=True)
+    assert retry_after_seconds(date, now=lambda: 1_000_000) == pytest.approx(30.0)
+    assert retry_after_seconds(date, now=lambda: 2_000_000) == 0.0  # a date in the past
+
+
+def test_replay_marker_in_either_profile() -> None:
+    assert replayed({"Idempotent-Replayed": "true"}) is True
+    assert replayed({"Idempotent-Replayed": "false"}) is False
+    assert replayed({"Idempotency-Replayed": "true"}) is True
+    assert replayed({}) is None
+
+
+def test_keys() -> None:
+    assert new_key() != new_key()
+    assert check_key(new_key())
+    for bad in ("", "a b", "x" * 256, "é", "tab\t"):
+        with pytest.raises(ValueError):
+            check_key(bad)
+    assert "secret-key" not in hash_key("secret-key") and len(hash_key("k")) == 12
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_attempts": 0},
+        {"deadline": 0},
+        {"deadline": float("inf")},
+        {"backoff_base": -1},
+        {"retry_after_cap": float("nan")},
+        {"backoff_max": "1"},
+    ],
+)
+def test_policy_refuses_bad_values(options: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**options)  # type: ignore[arg-type]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_call(clock: FakeClock, **options: float) -> Call:
+    policy = RetryPolicy(**options)  # type: ignore[arg-type]
+    return Call(policy, "k", clock=clock, rng=lambda low, high: high)  # the ceiling: no luck
+
+
+def test_backoff_doubles_to_its_cap_with_full_jitter() -> None:
+    clock = FakeClock()
+    call = make_call(clock, max_attempts=10, backoff_base=0.5, backoff_max=3.0, deadline=1000)
+    waits = [call.after_error(TimeoutError()) for _ in range(6)]
+    assert waits == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    draws: list[tuple[float, float]] = []
+
+    def draw(low: float, high: float) -> float:
+        draws.append((low, high))
+        return 0.1
+
+    assert Call(RetryPolicy(), "k", rng=draw).after_error(OSError()) == 0.1
+    assert draws == [(0.0, 0.5)]
+
+
+def test_retry_after_is_honoured_and_capped() -> None:
+    clock = FakeClock()
+    call = make_call(clock, retry_after_cap=5.0)
+    assert call.after_answer(503, {"Retry-After": "2"}, None, None) == 2.0
+    assert call.after_answer(429, {"Retry-After": "600"}, None, None) == 5.0
+    assert call.reasons == ["status 503", "status 429"]
+
+
+def test_attempts_run_out() -> None:
+    call = make_call(FakeClock(), max_attempts=3)
+    assert call.after_answer(500, {}, None, None) is not None
+    assert call.after_error(ConnectionResetError()) is not None
+    assert call.after_answer(502, {}, None, None) is None
+    assert call.exhausted == "attempts"
+    assert call.outcome(502, {}).exhausted == "attempts"
+
+
+def test_in_progress_waits_do_not_spend_attempts_only_the_deadline() -> None:
+    clock = FakeClock()
+    call = make_call(clock, max_attempts=2, deadline=30.0)
+    body = stripe("in_progress")
+    for _ in range(20):
+        wait = call.after_answer(409, {"Retry-After": "1", "Content-Type": JSON}, body, None)
+        assert wait == 1.0
+        clock.now += 1.0
+    assert call.failures == 0
+    clock.now += 9.5  # 29.5 s in: a 1 s wait would end past the deadline
+    assert call.after_answer(409, {"Retry-After": "1", "Content-Type": JSON}, body, None) is None
+    assert call.exhausted == "deadline"
+
+
+def test_a_wait_past_the_deadline_ends_the_call_now() -> None:
+    call = make_call(FakeClock(), deadline=3.0, retry_after_cap=10.0)
+    assert call.after_answer(503, {"Retry-After": "5"}, None, None) is None
+    assert call.exhausted == "deadline"
+
+
+def test_attempt_timeout_is_cut_to_the_deadline() -> None:
+    clock = FakeClock()
+    call = make_call(clock, deadline=10.0)
+    assert call.attempt_timeout(None) == 10.0
+    clock.now += 8.0
+    assert call.attempt_timeout(5.0) == 2.0
+    assert call.attempt_timeout(1.0) == 1.0
+    assert call.attempts == 3
+
+
+def test_key_reused_raises_naming_the_key_hashed() -> None:
+    call = make_call(FakeClock())
+    answer = object()
+    with pytest.raises(KeyReused) as raised:
+        call.after_answer(422, {"Content-Type": JSON}, stripe("key_reused"), answer)
+    assert raised.value.key == "k" and raised.value.response is answer
+    assert hash_key("k") in str(raised.value)
+    assert call.attempts == 0 and call.failures == 0
+
+
+def test_a_body_sent_once_is_never_retried() -> None:
+    call = Call(RetryPolicy(), "k", resendable=False)
+    assert call.after_answer(503, {"Retry-After": "0"}, None, None) is None
+    assert call.after_error(TimeoutError()) is None
+    assert call.exhausted == "body"
