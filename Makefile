@@ -66,7 +66,8 @@ test-transaction-mode: venv
 # app, the pytest plugin and the docs' snippets all run.
 #
 # Step 2: where `dev` or `example` ask for more than the library's own extras
-# (redis-py, pytest-postgresql, the OpenTelemetry API), those extras at their own
+# (redis-py, pytest-postgresql, the OpenTelemetry API; requests and httpx, which the
+# docs' toolchain lifts above the `client` extra's floors), those extras at their own
 # floors, with the tests of what they serve; the one test that reads a redis-py 6
 # attribute (dev's reason for redis>=6) is left out there.
 VENV_MINIMAL := .venv-minimal
@@ -78,9 +79,9 @@ MINIMAL_TESTS := tests -m "not topology" --ignore=tests/reliability --ignore=tes
 	--deselect tests/tooling/test_install.py::test_wheel_with_redis_extra_caches_answers \
 	--deselect tests/tooling/test_install.py::test_example_app_runs_from_the_checkout_with_example_extra \
 	--deselect tests/tooling/test_install.py::test_wheel_with_sqlalchemy_extra_keeps_one_row_per_key_under_gunicorn_kills
-LIBRARY_FLOOR_EXTRAS := --extra redis --extra pytest --extra opentelemetry
+LIBRARY_FLOOR_EXTRAS := --extra redis --extra pytest --extra opentelemetry --extra client
 LIBRARY_FLOOR_TESTS := tests/cache tests/observability/test_observability.py \
-	tests/tooling/test_pytest_plugin.py \
+	tests/tooling/test_pytest_plugin.py tests/client/test_adapters.py tests/client/test_policy.py \
 	--deselect tests/cache/test_redis_cache.py::test_url_client_has_short_timeouts_no_retries_and_connects_lazily
 test-minimal: venv
 	rm -rf $(VENV_MINIMAL)
