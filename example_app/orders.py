@@ -130,9 +130,7 @@ def place_order(order: OrderRequest, owner: str) -> Response:
 
 def _reserve(order: OrderRequest, owner: str) -> dict[str, str]:
     try:
-        reservation = fulfilment_client().reserve(
-            purpose_key("reserve"), order.sku, order.quantity
-        )
+        reservation = fulfilment_client().reserve(purpose_key("reserve"), order.sku, order.quantity)
     except FulfilmentUnavailable as exc:
         raise StepUnavailable(str(exc)) from None
     order_id = "or_" + secrets.token_hex(12)

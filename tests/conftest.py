@@ -265,7 +265,7 @@ def make_app(clean_db: str) -> Iterator[Any]:
 #: tests share a session-wide stack (four gunicorn workers and a processor), so one
 #: worker starts one stack instead of each worker its own on 2 cores; the upgrade
 #: tests share their rollouts (two releases' gunicorns on one database) the same way.
-SERIAL_FOLDERS = {"reliability": "reliability", "upgrade": "upgrade"}
+SERIAL_FOLDERS = {"reliability": "reliability", "upgrade": "upgrade", "client": "client"}
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown under -p no:xdist

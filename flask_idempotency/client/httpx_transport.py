@@ -46,6 +46,14 @@ def _timed(request: httpx.Request, call: Call) -> httpx.Request:
     return request
 
 
+def _read_here(call: Call, response: httpx.Response) -> bool:
+    """Whether to read the body inside the retry loop: an error's (its code decides),
+    and a keyed call's whole answer, so that one cut short is asked for again under
+    its key (httpx would read it after the transport returned, past any retry). A
+    safe method's answer (a download, say) stays streamed."""
+    return call.key is not None or response.status_code >= 400
+
+
 def _settled(
     call: Call, response: httpx.Response, hooks: Sequence[Callable[[CallEvent], None]]
 ) -> httpx.Response:
@@ -88,8 +96,8 @@ class IdempotentTransport(httpx.BaseTransport):
         while True:
             try:
                 response = self.transport.handle_request(_timed(request, call))
-                if response.status_code >= 400:
-                    response.read()  # the error's code decides; the body stays readable
+                if _read_here(call, response):
+                    response.read()
             except RETRIED as error:
                 wait = call.after_error(error)
                 if wait is None:
@@ -140,7 +148,7 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
         while True:
             try:
                 response = await self.transport.handle_async_request(_timed(request, call))
-                if response.status_code >= 400:
+                if _read_here(call, response):
                     await response.aread()
             except RETRIED as error:
                 wait = call.after_error(error)

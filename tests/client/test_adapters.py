@@ -9,8 +9,10 @@ The storms through gunicorn and a fault-injecting proxy are ``test_storms.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -225,6 +227,42 @@ def test_a_refused_connection_is_retried_then_raised(
         caller.call("POST", f"http://127.0.0.1:{port}/pay", key="k")
     assert [event.kind for event in events] == ["retry"] * 3 + ["gave_up"]
     assert events[-1].attempt == FAST.max_attempts and events[-1].exhausted == "attempts"
+
+
+@pytest.fixture
+def cut_body_url() -> Iterator[tuple[str, list[bytes]]]:
+    """A server whose first answer is a ``201`` cut short after 6 of its 11 body
+    bytes (then the connection closes); later answers are whole."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                seen.append(conn.recv(65536))
+                body = b'{"id":' if len(seen) == 1 else b'{"id":"c1"}'
+                conn.sendall(b"HTTP/1.1 201 Created\r\nContent-Length: 11\r\n\r\n" + body)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/v1/charges", seen
+    with contextlib.suppress(OSError):
+        listener.shutdown(socket.SHUT_RDWR)  # wakes accept(), which close() alone does not
+    listener.close()
+    thread.join(5)
+
+
+def test_an_answer_cut_short_is_asked_for_again(
+    cut_body_url: tuple[str, list[bytes]], caller: Caller
+) -> None:
+    url, seen = cut_body_url
+    status, outcome, body = caller.call("POST", url, key="k-cut", body=b"{}")
+    assert (status, body, outcome.attempts) == (201, b'{"id":"c1"}', 2)
+    assert len(seen) == 2 and all(b"k-cut" in request for request in seen)
 
 
 def test_safe_methods_send_no_key_and_are_retried(server: ScriptedServer, caller: Caller) -> None:

@@ -17,14 +17,22 @@ keepalives and server-side timeouts cannot see that, since the proxy still
 ACKs every byte. ``resume()`` forwards again what was held (a healed
 partition), or with ``reset=True`` resets every connection opened before it
 (the old address is gone, as after a failover).
+
+With a fault schedule (``inject()``), it fails single HTTP requests instead of
+the whole link: the three ways a request can go wrong for a client that
+retries (the server never saw it, the server acted but its answer was lost,
+the answer came too late), so a retrying client is tested on each one, at
+random and many times over, against a real server whose work can be counted.
 """
 
 from __future__ import annotations
 
+import enum
 import socket
 import struct
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -34,13 +42,75 @@ from .lifecycle import ClosesOnExit
 DEFAULT_PORTS = {"postgres": 5432, "postgresql": 5432, "redis": 6379, "http": 80}
 
 
-def _reset(sock: socket.socket) -> None:
-    """Close with a TCP RST instead of a FIN: the peer fails immediately."""
+def _abortive(sock: socket.socket) -> None:
+    """Make ``close()`` send a TCP RST instead of a FIN (SO_LINGER with no time)."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     except OSError:
         pass
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP RST instead of a FIN: the peer fails immediately."""
+    _abortive(sock)
     sock.close()
+
+
+class Fault(enum.Enum):
+    """What ``TcpProxy.inject()`` does to one HTTP request. Each ends in a reset of
+    the client, never a FIN: a FIN right after a request looks like a server
+    closing an idle keep-alive connection, which some HTTP stacks answer by
+    resending on their own, and that would hide the very retry under test."""
+
+    #: Reset the client at the request's first bytes, forwarding none: the server
+    #: never saw the request, so a retry is its first execution.
+    RESET_BEFORE = "reset_before"
+    #: Forward the request and let the server answer, then reset the client instead
+    #: of delivering the answer: the server acted and the client never hears, so a
+    #: retry must be answered with the stored response, not a second execution.
+    DROP_AFTER = "drop_after"
+    #: As DROP_AFTER, but the answer is held for the schedule's ``hold_seconds``
+    #: first, on a connection that stays open: the client's own timeout must end the
+    #: attempt (a server that acted, then a network that went quiet).
+    HOLD = "hold"
+
+
+#: Called once per HTTP request the proxy sees: the fault for it, or ``None``.
+FaultSchedule = Callable[[], Fault | None]
+
+
+class _Faults:
+    """The proxy's fault schedule and the count of faults applied, shared by its links.
+
+    The schedule is called under a lock, so a seeded ``random.Random`` in it gives
+    the same sequence of faults whatever the threads do (which request gets which
+    one still depends on their timing).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._schedule: FaultSchedule | None = None
+        self.hold_seconds = 3.0
+        self._applied: Counter[Fault] = Counter()
+        #: Set by ``TcpProxy.close()``: ends every hold at once.
+        self.closing = threading.Event()
+
+    def set(self, schedule: FaultSchedule | None, hold_seconds: float) -> None:
+        with self._lock:
+            self._schedule = schedule
+            self.hold_seconds = hold_seconds
+
+    def draw(self) -> Fault | None:
+        with self._lock:
+            return self._schedule() if self._schedule is not None else None
+
+    def applied(self, fault: Fault) -> None:
+        with self._lock:
+            self._applied[fault] += 1
+
+    def counts(self) -> Counter[Fault]:
+        with self._lock:
+            return Counter(self._applied)
 
 
 class _Link:
@@ -50,20 +120,72 @@ class _Link:
     sockets (the last one to finish), so a socket is never closed under a
     thread still reading it; anyone else ends a link with ``abort()``,
     which shuts the sockets down and so wakes the pumps.
+
+    For fault injection the link tells HTTP/1.1 requests apart without parsing
+    them: with keep-alive and no pipelining, a request is the first client bytes
+    of a connection or the first after the server has begun to answer. The fault
+    drawn at a request's first bytes is applied there (``RESET_BEFORE``) or at
+    its answer's first bytes (``DROP_AFTER``, ``HOLD``).
     """
 
-    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+    def __init__(self, client: socket.socket, upstream: socket.socket, faults: _Faults) -> None:
         self.client = client
         self.upstream = upstream
         self._lock = threading.Lock()
         self._pumps_left = 2
+        self._faults = faults
+        #: The client's next bytes start a request. Written by one pump before it
+        #: forwards the bytes the other pump's next read depends on, so the two
+        #: never race.
+        self._awaiting_request = True
+        #: The fault drawn for the request in flight, for its answer.
+        self._fault: Fault | None = None
+        #: The client was reset by a fault: nothing may FIN it first.
+        self._client_reset = False
 
     def abort(self) -> None:
-        for sock in (self.client, self.upstream):
+        for sock in (self.upstream,) if self._client_reset else (self.client, self.upstream):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _reset_client(self) -> None:
+        """End the link with a RST to the client. SHUT_RD wakes a pump reading the
+        client without sending the client anything; the last pump's ``close()``
+        then sends the RST (SO_LINGER 0)."""
+        self._client_reset = True
+        _abortive(self.client)
+        try:
+            self.client.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+        try:
+            self.upstream.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _passes(self, src: socket.socket) -> bool:
+        """Whether bytes just read from ``src`` go on, or a fault ended the link."""
+        if src is self.client:
+            if not self._awaiting_request:
+                return True  # more of the same request
+            self._awaiting_request = False
+            self._fault = self._faults.draw()
+            if self._fault is not Fault.RESET_BEFORE:
+                return True
+            self._faults.applied(self._fault)
+            self._reset_client()
+            return False
+        fault, self._fault = self._fault, None
+        self._awaiting_request = True
+        if fault is None:
+            return True
+        self._faults.applied(fault)  # a hold counts from its start
+        if fault is Fault.HOLD:
+            self._faults.closing.wait(self._faults.hold_seconds)
+        self._reset_client()
+        return False
 
     def pump(
         self,
@@ -75,8 +197,11 @@ class _Link:
         try:
             while data := src.recv(65536):
                 flowing.wait()  # held, not dropped, while the proxy is stalled
+                if not self._passes(src):
+                    break
                 dst.sendall(data)
-            dst.shutdown(socket.SHUT_WR)  # pass the half-close on
+            if not self._client_reset:
+                dst.shutdown(socket.SHUT_WR)  # pass the half-close on
         except OSError:
             self.abort()
         with self._lock:
@@ -116,6 +241,7 @@ class TcpProxy(ClosesOnExit):
         #: one of them is reset instead of connected.
         self._resets = 0
         self._links: set[_Link] = set()
+        self._faults = _Faults()
         self._threads: list[threading.Thread] = []
         self._listener = socket.create_server((LOOPBACK, 0))
         # A timeout rather than a shutdown() from close() to end accept():
@@ -199,8 +325,24 @@ class TcpProxy(ClosesOnExit):
                 link.abort()
         self._flowing.set()
 
+    def inject(self, schedule: FaultSchedule | None, *, hold_seconds: float = 3.0) -> None:
+        """Fail HTTP requests as ``schedule`` says (see ``Fault``), or stop with ``None``.
+
+        ``schedule()`` is called once for each HTTP/1.1 request on any connection
+        (keep-alive, no pipelining), from the proxy's threads, one call at a time.
+        A ``HOLD`` keeps its answer ``hold_seconds``: make that longer than the
+        client's timeout. Requests already in flight keep the fault they drew.
+        """
+        self._faults.set(schedule, hold_seconds)
+
+    @property
+    def faults(self) -> Counter[Fault]:
+        """How many of each fault were applied so far (a copy)."""
+        return self._faults.counts()
+
     def close(self) -> None:
         """Stop listening, drop every connection and wait for the threads."""
+        self._faults.closing.set()
         with self._lock:
             self._closed = True
             links = list(self._links)
@@ -250,7 +392,7 @@ class TcpProxy(ClosesOnExit):
             _reset(client)  # upstream down: the client sees a refused-like reset
             return
         upstream.settimeout(None)
-        link = _Link(client, upstream)
+        link = _Link(client, upstream, self._faults)
         with self._lock:
             if self._cut or self._closed:
                 _reset(client)

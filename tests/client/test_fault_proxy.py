@@ -1,0 +1,213 @@
+"""The proxy's per-request faults (``TcpProxy.inject``), on real sockets.
+
+The storms trust the proxy to fail exactly the requests its schedule names, in
+the way it names: a request that never reached the server, or one the server
+answered and the client never heard. These pin that down against a tiny HTTP/1.1
+upstream that counts what reached it, before anything else stands on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from support.tcp_proxy import Fault, TcpProxy
+
+#: Long enough that a client would wait it out, short enough for a unit test.
+HOLD_SECONDS = 0.5
+#: Much longer than any hold here: a client that fails, fails on the proxy's reset.
+CLIENT_TIMEOUT = 10.0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as gunicorn's gthread workers
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        server: _Upstream = self.server  # type: ignore[assignment]
+        with server.lock:
+            server.seen.append(body)  # before answering: counted even if the answer is lost
+        answer = b"got " + body
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _Upstream(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.host, self.port = "127.0.0.1", self.server_port
+        self.lock = threading.Lock()
+        #: Bodies of the requests that reached the server, in order.
+        self.seen: list[bytes] = []
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a connection the proxy reset: expected here
+
+
+@pytest.fixture
+def upstream() -> Iterator[_Upstream]:
+    server = _Upstream()
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.fixture
+def proxy(upstream: _Upstream) -> Iterator[TcpProxy]:
+    with TcpProxy(upstream.host, upstream.port) as proxy:
+        yield proxy
+
+
+class Script:
+    """A schedule that plays the given faults in order, then ``None``; counts its calls."""
+
+    def __init__(self, *faults: Fault | None) -> None:
+        self.faults = list(faults)
+        self.calls = 0
+
+    def __call__(self) -> Fault | None:
+        self.calls += 1
+        return self.faults.pop(0) if self.faults else None
+
+
+@contextlib.contextmanager
+def reset_by_peer() -> Iterator[None]:
+    """Expect a TCP RST. A FIN would be http.client's ``RemoteDisconnected``, a
+    subclass of ConnectionResetError, so the type is checked exactly."""
+    with pytest.raises(ConnectionResetError) as caught:
+        yield
+    assert type(caught.value) is ConnectionResetError, repr(caught.value)
+
+
+def connect(proxy: TcpProxy) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection(proxy.host, proxy.port, timeout=CLIENT_TIMEOUT)
+
+
+def post(conn: http.client.HTTPConnection, body: bytes) -> bytes:
+    conn.request("POST", "/", body=body)
+    with conn.getresponse() as response:
+        return response.read()
+
+
+def post_once(proxy: TcpProxy, body: bytes) -> bytes:
+    """``body`` POSTed on a connection of its own, closed afterwards."""
+    with contextlib.closing(connect(proxy)) as conn:
+        return post(conn, body)
+
+
+def test_without_faults_requests_pass_and_each_is_scheduled_once(
+    proxy: TcpProxy, upstream: _Upstream
+) -> None:
+    script = Script()
+    proxy.inject(script)
+    conn = connect(proxy)
+    try:
+        # Three requests on one keep-alive connection, the last with its body sent
+        # in a later packet than its headers: still one request.
+        assert post(conn, b"a") == b"got a"
+        assert post(conn, b"b") == b"got b"
+        conn.putrequest("POST", "/")
+        conn.putheader("Content-Length", "1")
+        conn.endheaders()
+        time.sleep(0.1)  # so the proxy reads the head alone, then the body
+        conn.send(b"c")
+        with conn.getresponse() as response:
+            assert response.read() == b"got c"
+    finally:
+        conn.close()
+    assert post_once(proxy, b"d") == b"got d"  # a second connection
+    assert script.calls == 4
+    assert upstream.seen == [b"a", b"b", b"c", b"d"]
+    assert proxy.faults == {}
+
+
+def test_reset_before_never_reaches_the_server(proxy: TcpProxy, upstream: _Upstream) -> None:
+    proxy.inject(Script(Fault.RESET_BEFORE))
+    with reset_by_peer():
+        post_once(proxy, b"lost")
+    assert post_once(proxy, b"next") == b"got next"
+    assert upstream.seen == [b"next"]
+    assert proxy.faults == {Fault.RESET_BEFORE: 1}
+
+
+def test_drop_after_lets_the_server_act_and_resets_the_client(
+    proxy: TcpProxy, upstream: _Upstream
+) -> None:
+    proxy.inject(Script(None, Fault.DROP_AFTER))
+    conn = connect(proxy)
+    try:
+        assert post(conn, b"first") == b"got first"
+        # The second request on the same connection: a fault per request, not per link.
+        with reset_by_peer():
+            post(conn, b"acted")
+    finally:
+        conn.close()
+    assert upstream.seen == [b"first", b"acted"]
+    assert proxy.faults == {Fault.DROP_AFTER: 1}
+
+
+def test_hold_keeps_the_answer_then_resets(proxy: TcpProxy, upstream: _Upstream) -> None:
+    proxy.inject(Script(Fault.HOLD), hold_seconds=HOLD_SECONDS)
+    started = time.monotonic()
+    with reset_by_peer():
+        post_once(proxy, b"held")
+    assert time.monotonic() - started >= HOLD_SECONDS
+    assert upstream.seen == [b"held"]
+    assert proxy.faults == {Fault.HOLD: 1}
+
+
+def test_a_hold_outlasts_a_shorter_client_timeout(proxy: TcpProxy, upstream: _Upstream) -> None:
+    proxy.inject(Script(Fault.HOLD), hold_seconds=HOLD_SECONDS)
+    conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=HOLD_SECONDS / 5)
+    try:
+        with pytest.raises(TimeoutError):
+            post(conn, b"slow")
+    finally:
+        conn.close()
+    assert upstream.seen == [b"slow"]
+
+
+def test_inject_none_turns_faults_off(proxy: TcpProxy, upstream: _Upstream) -> None:
+    proxy.inject(lambda: Fault.RESET_BEFORE)
+    with reset_by_peer():
+        post_once(proxy, b"x")
+    proxy.inject(None)
+    assert post_once(proxy, b"y") == b"got y"
+    assert upstream.seen == [b"y"]
+    assert proxy.faults == {Fault.RESET_BEFORE: 1}
+
+
+def test_close_ends_a_hold_at_once(upstream: _Upstream) -> None:
+    proxy = TcpProxy(upstream.host, upstream.port)
+    proxy.inject(lambda: Fault.HOLD, hold_seconds=60)
+    conn = connect(proxy)
+    try:
+        conn.request("POST", "/", body=b"z")
+        deadline = time.monotonic() + 5
+        while proxy.faults[Fault.HOLD] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the answer reached the proxy and is held
+        started = time.monotonic()
+        proxy.close()
+        assert time.monotonic() - started < 5
+        with pytest.raises(ConnectionResetError):  # a RST, or close()'s own FIN
+            conn.getresponse()
+    finally:
+        conn.close()
