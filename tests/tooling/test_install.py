@@ -17,10 +17,11 @@ which has every extra; a dependency the package forgot to declare (say,
 4. then ``[example]``: the example app, run from the checkout (it is not in
    the wheel), imports every module and creates one charge through ``wsgi:app``
    with the installed library;
-5. then ``[sqlalchemy]``: a user's Flask-SQLAlchemy app (``sa_user_app.py``)
+5. then ``[sqlalchemy,client]``: a user's Flask-SQLAlchemy app (``sa_user_app.py``)
    under the virtualenv's gunicorn, two workers of sixteen threads on a pool of
-   two connections each, takes a storm of duplicate requests while its workers
-   are SIGKILLed, and keeps exactly one row per key.
+   two connections each, takes a storm of duplicate requests from the wheel's own
+   retrying client (``wheel_client_storm.py``) while its workers are SIGKILLed,
+   and keeps exactly one row per key; every call ends in its ``201``.
 
 The tests share one virtualenv and run in file order (each later step adds an
 extra). Installing needs PyPI (flask, psycopg2-binary...); pip's cache makes
@@ -30,10 +31,8 @@ reruns quicker. The timings of each step are printed at the end of the module.
 from __future__ import annotations
 
 import ast
-import http.client
 import json
 import os
-import random
 import shutil
 import signal
 import stat
@@ -42,9 +41,7 @@ import sys
 import tarfile
 import time
 import zipfile
-from collections import Counter
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from email.parser import HeaderParser
 from importlib import metadata, util
@@ -496,27 +493,14 @@ def test_example_app_runs_from_the_checkout_with_example_extra(
 
 #: Keys, requests per key and client threads of the storm.
 STORM_KEYS, STORM_COPIES, STORM_THREADS = 120, 4, 32
-
-
-def _post_until_answered(url: str, key: str, deadline: float) -> int:
-    """POST one transfer under ``key`` until it is answered for good (a retry after
-    409, 503 or a dropped connection, as a client library does)."""
-    while True:
-        try:
-            status = http_request(
-                "POST", f"{url}/transfers", {"Idempotency-Key": key}, json={"amount": 1}
-            ).status
-        except (OSError, http.client.HTTPException):  # its worker was killed under it
-            status = 0
-        if status not in (0, 409, 503) or time.monotonic() > deadline:
-            return status
-        time.sleep(0.1)
+#: The storm's client, a user's script on the wheel's ``[client]`` extra.
+CLIENT_STORM = REPO_ROOT / "tests" / "support" / "wheel_client_storm.py"
 
 
 def test_wheel_with_sqlalchemy_extra_keeps_one_row_per_key_under_gunicorn_kills(
     venv: Venv, tmp_path: Path, clean_db: str, timings: Timings
 ) -> None:
-    venv.install("sqlalchemy")
+    venv.install("sqlalchemy,client")
     # The user's server, theirs to install (the [example] extra has it already in
     # a whole run; this test also runs alone).
     run([*venv.pip, "install", "--no-input", "gunicorn"], timings, "pip install gunicorn")
@@ -539,6 +523,7 @@ def test_wheel_with_sqlalchemy_extra_keeps_one_row_per_key_under_gunicorn_kills(
     with log_path.open("wb") as log:
         server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
+    client: subprocess.Popen[bytes] | None = None
     try:
         wait_until(
             lambda: tcp_answers("127.0.0.1", port) and http_request("GET", f"{url}/health"),
@@ -547,30 +532,44 @@ def test_wheel_with_sqlalchemy_extra_keeps_one_row_per_key_under_gunicorn_kills(
             describe=lambda: log_path.read_text(errors="replace")[-3000:],
         )
         started = time.monotonic()
-        keys = [f"wheel-{n}" for n in range(STORM_KEYS) for _ in range(STORM_COPIES)]
-        random.shuffle(keys)
-        deadline = time.monotonic() + 90
-        with ThreadPoolExecutor(STORM_THREADS) as pool:
-            answers = pool.map(lambda key: _post_until_answered(url, key, deadline), keys)
-            killed = []
-            for _ in range(3):  # mid-storm: some workers die after their view's commit()
-                time.sleep(0.7)
-                workers = child_pids(server.pid)
-                if workers:
-                    os.kill(workers[0], signal.SIGKILL)
-                    killed.append(workers[0])
-            statuses = Counter(answers)
+        # The client is the wheel's own (flask_idempotency.client), in the virtualenv:
+        # each call keeps its key through the kills, as a user's client would.
+        shutil.copy(CLIENT_STORM, tmp_path / "wheel_client_storm.py")
+        client_argv: list[str | Path] = [venv.python, "wheel_client_storm.py", url]
+        client_argv += [str(STORM_KEYS), str(STORM_COPIES), str(STORM_THREADS)]
+        client = subprocess.Popen(
+            client_argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        killed = []
+        wait_until(
+            lambda: query(clean_db, "SELECT count(*) FROM wheel_transfers")[0][0] > 0,
+            60,
+            "the client's first transfers",
+        )
+        for _ in range(3):  # mid-storm: some workers die after their view's commit()
+            time.sleep(0.7)
+            workers = child_pids(server.pid)
+            if workers:
+                os.kill(workers[0], signal.SIGKILL)
+                killed.append(workers[0])
+        out, err = client.communicate(timeout=150)
+        assert client.returncode == 0, err.decode(errors="replace")[-3000:]
+        report = last_json_line(out.decode())
         timings.add("storm through gunicorn, workers killed", time.monotonic() - started)
     finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+            client.wait(10)
         server.terminate()
         server.wait(20)
     rows = query(
         clean_db, "SELECT key, count(*) FROM wheel_transfers GROUP BY key HAVING count(*) > 1"
     )
     total = query(clean_db, "SELECT count(*), count(DISTINCT key) FROM wheel_transfers")[0]
-    print(f"answers={dict(statuses)} killed={len(killed)} rows={total}")
+    print(f"client={report} killed={len(killed)} rows={total}")
     assert len(killed) == 3, "the storm ended before the workers could be killed"
-    assert statuses == Counter({201: STORM_KEYS * STORM_COPIES}), statuses
+    assert report["statuses"] == {"201": STORM_KEYS * STORM_COPIES}, report
+    assert report["retried_calls"] > 0, "no call met a kill or a duplicate: nothing was tested"
     assert rows == [], f"keys with more than one row: {rows}"
     assert total == (STORM_KEYS, STORM_KEYS)
     assert "Traceback" not in log_path.read_text(errors="replace")
