@@ -13,8 +13,9 @@ from typing import Any
 #: (a ``TRUNCATE`` of the extension's tables): ``migrate`` would not make it
 #: again, its ledger says 0011 is applied, and without an id the cache stays off.
 #: Usually nothing is inserted and this is one index read. Two processes that
-#: find the row gone at once: one inserts, the other gets no row this time and
-#: asks again later (the cache is off for it meanwhile).
+#: find the row gone at once: one inserts, the other's insert waits for it and
+#: does nothing, and its statement's snapshot, older than that row, sees none;
+#: a second statement, with a snapshot of its own, does.
 DEPLOYMENT_ID = """
 WITH made AS (
     INSERT INTO idempotency_deployment (id)
@@ -31,7 +32,8 @@ SELECT id FROM made UNION ALL SELECT id FROM idempotency_deployment
 def database_identity(store: Any) -> bytes:
     """The id, under the store's timeouts (``StoreUnavailableError`` while
     PostgreSQL does not answer, a schema error before migration 0011)."""
-    rows = store.read(DEPLOYMENT_ID)
-    if not rows:
-        raise LookupError("idempotency_deployment has no row yet")
-    return bytes(rows[0][0])
+    for _ in range(2):  # the second read sees a row a concurrent first read made
+        rows = store.read(DEPLOYMENT_ID)
+        if rows:
+            return bytes(rows[0][0])
+    raise LookupError("idempotency_deployment has no row yet")
