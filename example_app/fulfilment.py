@@ -19,7 +19,6 @@ example_app.fulfilment:app``; ONE process, as its memory is its state. Without
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import os
 import secrets
@@ -27,8 +26,11 @@ import threading
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+import requests
 from flask import Flask, Response, jsonify, request
 from werkzeug.serving import make_server
+
+from flask_idempotency.client import IdempotentSession, RetryPolicy
 
 DEFAULT_BIND = "127.0.0.1:8002"
 DEFAULT_TIMEOUT_SECONDS = 10.0
@@ -165,34 +167,43 @@ class _Client:
 
 
 class HttpFulfilmentClient(_Client):
-    """The service over HTTP, one connection per call (safe to share between threads)."""
+    """The service over HTTP through the library's retrying client.
+
+    Unlike the card processor, which the contract has called once per attempt
+    (its ``409`` or ``5xx`` is the app's ``502``), a reservation or a
+    notification is retried within the call: a dropped answer, a timeout or a
+    ``5xx`` is asked again under the same derived key, which the service answers
+    with its first answer. The whole call, retries included, stays within the
+    timeout, below the lease. A session per call: nothing is shared between
+    threads or tenants.
+    """
 
     def __init__(self, base_url: str, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"fulfilment URL must be http://host[:port]: {base_url!r}")
-        self._host, self._port = parts.hostname, parts.port
-        self._root = parts.path.rstrip("/")
+        self._root = base_url.rstrip("/")
         self.timeout_seconds = timeout_seconds
+        self.policy = RetryPolicy(
+            max_attempts=3, deadline=timeout_seconds, backoff_base=0.2, backoff_max=2.0
+        )
 
     def _send(self, kind: str, key: str, body: dict[str, Any]) -> tuple[int, Any]:
-        timeout = self.timeout_seconds
-        connection = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-        headers = {"Content-Type": "application/json", "Idempotency-Key": key}
+        headers = {"Idempotency-Key": key}
         try:
-            connection.request(
-                "POST", self._root + ACTIONS[kind][0], json.dumps(body).encode(), headers
-            )
-            response = connection.getresponse()
-            data = response.read(MAX_ANSWER_BYTES + 1)
-        except (OSError, http.client.HTTPException) as exc:
+            with IdempotentSession(self.policy) as session:
+                response = session.post(
+                    self._root + ACTIONS[kind][0], json=body, headers=headers,
+                    timeout=self.timeout_seconds,
+                )  # fmt: skip
+        except requests.RequestException as exc:
             raise FulfilmentUnavailable(f"{kind}: {type(exc).__name__}") from None
-        finally:
-            connection.close()
+        if len(response.content) > MAX_ANSWER_BYTES:
+            return response.status_code, None
         try:
-            return response.status, json.loads(data)
+            return response.status_code, response.json()
         except ValueError:
-            return response.status, None
+            return response.status_code, None
 
 
 class InProcessFulfilmentClient(_Client):

@@ -8,29 +8,29 @@ request was sent too, which the key makes safe.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 
+import anyio
 import httpx
 
 from .hooks import CallEvent, report
-from .policy import Call, RetryPolicy, check_key, new_key
+from .keys import call_key
+from .policy import Call, KeyReused, RetryPolicy
 
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: What a retry can get past: timeouts, broken or refused connections and
 #: answers cut short. Not a ``LocalProtocolError`` or an unsupported URL.
 RETRIED = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 #: Where the outcome (a ``CallOutcome``) is found: ``response.extensions``.
 OUTCOME = "idempotency"
 
+Hooks = Sequence[Callable[[CallEvent], None]]
+
 
 def _begin(request: httpx.Request, policy: RetryPolicy) -> Call:
-    """The call for ``request``: its key (its own header's, else a new one) set on it."""
-    key = None
-    if request.method.upper() not in SAFE_METHODS:
-        given = request.headers.get(policy.key_header)
-        key = check_key(given) if given else new_key()
+    """The call for ``request``, its key set on it (``keys.call_key``)."""
+    key = call_key(request.method, request.headers.get(policy.key_header))
+    if key is not None:
         request.headers[policy.key_header] = key
     return Call(policy, key)
 
@@ -54,29 +54,73 @@ def _read_here(call: Call, response: httpx.Response) -> bool:
     return call.key is not None or response.status_code >= 400
 
 
-def _settled(
-    call: Call, response: httpx.Response, hooks: Sequence[Callable[[CallEvent], None]]
-) -> httpx.Response:
+def _as_read(response: httpx.Response, raw: bytes, request: httpx.Request) -> httpx.Response:
+    """A fresh response over the bytes read, still encoded as sent: the client reads
+    and closes it as any other (its ``elapsed``, its event hooks)."""
+    return httpx.Response(
+        response.status_code,
+        headers=response.headers,
+        stream=httpx.ByteStream(raw),
+        extensions=response.extensions,
+        request=request,
+    )
+
+
+def _error_body(response: httpx.Response, raw: bytes | None) -> bytes | None:
+    """An error's body, decoded, for its code (a throwaway response: the one
+    returned stays unread)."""
+    if raw is None or response.status_code < 400:
+        return None
+    copy = httpx.Response(
+        response.status_code, headers=response.headers, stream=httpx.ByteStream(raw)
+    )
+    try:
+        return copy.read()
+    except httpx.DecodingError:
+        return None
+
+
+def _decide(
+    call: Call, response: httpx.Response, raw: bytes | None, hooks: Hooks, request: httpx.Request
+) -> float | None:
+    """``call.after_answer`` for ``response``, with the outcome reported either way."""
+    body = _error_body(response, raw)
+    try:
+        wait = call.after_answer(response.status_code, response.headers, body, response)
+    except KeyReused as refused:
+        response.read()  # in memory already: the error's answer, readable as it is
+        report(
+            hooks, call, "gave_up", request.method, str(request.url), status=response.status_code
+        )
+        call.gave_up(refused)
+        raise
+    if wait is not None:
+        report(hooks, call, "retry", request.method, str(request.url),
+               status=response.status_code, wait=wait)  # fmt: skip
+        return wait
     outcome = call.outcome(response.status_code, response.headers)
     kind = "gave_up" if outcome.exhausted else "done"
-    report(
-        hooks,
-        call,
-        kind,
-        response.request.method,
-        str(response.request.url),
-        status=outcome.status,
-        replayed=outcome.replayed,
-    )
+    report(hooks, call, kind, request.method, str(request.url),
+           status=outcome.status, replayed=outcome.replayed)  # fmt: skip
     response.extensions = {**response.extensions, OUTCOME: outcome}
-    return response
+    return None
+
+
+def _after_error(call: Call, error: Exception, hooks: Hooks, request: httpx.Request) -> float:
+    """The wait before the next attempt, or the error re-raised with the outcome."""
+    wait = call.after_error(error)
+    if wait is None:
+        report(hooks, call, "gave_up", request.method, str(request.url), error=error)
+        raise call.gave_up(error)
+    report(hooks, call, "retry", request.method, str(request.url), error=error, wait=wait)
+    return wait
 
 
 class IdempotentTransport(httpx.BaseTransport):
     """``httpx.Client(transport=IdempotentTransport())``: one key per call, retried
     by ``policy``. ``transport`` is the one that sends (an ``httpx.HTTPTransport``
-    by default: give your own for TLS or connection limits, which httpx reads from
-    the transport, not the client, once one is given)."""
+    by default). Give your own for TLS settings, connection limits or a proxy:
+    httpx reads them from the transport, not the client, once one is given."""
 
     def __init__(
         self,
@@ -92,34 +136,22 @@ class IdempotentTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         call = _begin(request, self.policy)
         request.read()  # a streamed body becomes bytes: every attempt sends it whole
-        url = str(request.url)
         while True:
+            raw = None
             try:
                 response = self.transport.handle_request(_timed(request, call))
                 if _read_here(call, response):
-                    response.read()
+                    try:
+                        raw = b"".join(response.iter_raw())
+                    finally:
+                        response.close()
+                    response = _as_read(response, raw, request)
             except RETRIED as error:
-                wait = call.after_error(error)
-                if wait is None:
-                    report(self.hooks, call, "gave_up", request.method, url, error=error)
-                    raise
-                report(self.hooks, call, "retry", request.method, url, error=error, wait=wait)
-                time.sleep(wait)
+                time.sleep(_after_error(call, error, self.hooks, request))
                 continue
-            response.request = request
-            body = response.content if response.status_code >= 400 else None
-            wait = call.after_answer(response.status_code, response.headers, body, response)
+            wait = _decide(call, response, raw, self.hooks, request)
             if wait is None:
-                return _settled(call, response, self.hooks)
-            report(
-                self.hooks,
-                call,
-                "retry",
-                request.method,
-                url,
-                status=response.status_code,
-                wait=wait,
-            )
+                return response
             response.close()
             time.sleep(wait)
 
@@ -128,7 +160,7 @@ class IdempotentTransport(httpx.BaseTransport):
 
 
 class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
-    """``IdempotentTransport`` for ``httpx.AsyncClient``; waits with ``asyncio.sleep``."""
+    """``IdempotentTransport`` for ``httpx.AsyncClient``, under asyncio or trio."""
 
     def __init__(
         self,
@@ -144,36 +176,24 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         call = _begin(request, self.policy)
         await request.aread()
-        url = str(request.url)
         while True:
+            raw = None
             try:
                 response = await self.transport.handle_async_request(_timed(request, call))
                 if _read_here(call, response):
-                    await response.aread()
+                    try:
+                        raw = b"".join([part async for part in response.aiter_raw()])
+                    finally:
+                        await response.aclose()
+                    response = _as_read(response, raw, request)
             except RETRIED as error:
-                wait = call.after_error(error)
-                if wait is None:
-                    report(self.hooks, call, "gave_up", request.method, url, error=error)
-                    raise
-                report(self.hooks, call, "retry", request.method, url, error=error, wait=wait)
-                await asyncio.sleep(wait)
+                await anyio.sleep(_after_error(call, error, self.hooks, request))
                 continue
-            response.request = request
-            body = response.content if response.status_code >= 400 else None
-            wait = call.after_answer(response.status_code, response.headers, body, response)
+            wait = _decide(call, response, raw, self.hooks, request)
             if wait is None:
-                return _settled(call, response, self.hooks)
-            report(
-                self.hooks,
-                call,
-                "retry",
-                request.method,
-                url,
-                status=response.status_code,
-                wait=wait,
-            )
+                return response
             await response.aclose()
-            await asyncio.sleep(wait)
+            await anyio.sleep(wait)
 
     async def aclose(self) -> None:
         await self.transport.aclose()

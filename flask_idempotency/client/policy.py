@@ -18,7 +18,10 @@ answers a retry can change. The rules, for the two HTTP clients' adapters
 
 A call ends at whichever comes first of ``max_attempts`` failed attempts and
 its ``deadline``; a ``409`` in progress does not count as a failure (the
-server is doing the work), only against the deadline.
+server is doing the work), only against the deadline, and the waits between
+such polls grow as the backoff's do. No retry starts with less than a tenth of
+the deadline left: it would most likely end in a timeout, an unknown outcome,
+where the answer in hand is a known one.
 """
 
 from __future__ import annotations
@@ -47,8 +50,15 @@ FINAL_CODES = frozenset(
 PROBLEM_TYPE_PREFIX = "urn:flask-idempotency:error:"
 #: An error body is a few hundred bytes; a larger one is not read for its code.
 MAX_ERROR_BODY = 64 * 1024
-#: What the server accepts as a key (visible ASCII, at most 255 characters).
-_KEY_PATTERN = re.compile(r"[\x21-\x7e]{1,255}")
+#: What the server accepts as a key: visible ASCII, at most 255 characters, and no
+#: comma (an unquoted comma separates two values of a header: ``400 invalid_key``).
+_KEY_PATTERN = re.compile(r"[\x21-\x2b\x2d-\x7e]{1,255}")
+_DELAY_SECONDS = re.compile(r"[0-9]+")
+#: Methods HTTP defines as safe: retried by the same rules, but sent without a key
+#: (the server ignores one on them).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+#: The part of the deadline that must be left for a retry to start.
+MIN_ATTEMPT_SHARE = 0.1
 
 
 class Verdict(enum.Enum):
@@ -179,7 +189,7 @@ def retry_after_seconds(value: str | None, now: Callable[[], float] = time.time)
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if _DELAY_SECONDS.fullmatch(value):
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
@@ -194,11 +204,8 @@ def classify(status: int, headers: Mapping[str, str], code: str | None) -> Verdi
         return Verdict.KEY_REUSED
     if (headers.get("Stripe-Should-Retry") or "").strip().lower() == "false":
         return Verdict.FINAL
-    if status == 409:
-        # A plain server's 409 is a business conflict unless it asks to come back.
-        if code in IN_PROGRESS_CODES or (code is None and "Retry-After" in headers):
-            return Verdict.IN_PROGRESS
-        return Verdict.FINAL
+    if status == 409:  # a plain server's 409 is a conflict a retry cannot change
+        return Verdict.IN_PROGRESS if code in IN_PROGRESS_CODES else Verdict.FINAL
     if status in RETRY_LATER:
         return Verdict.RETRY
     if status >= 500:
@@ -230,6 +237,8 @@ class Call:
     started: float = dataclasses.field(init=False)
     attempts: int = 0
     failures: int = 0
+    #: ``409`` in progress answers so far: their waits grow like the backoff's.
+    polls: int = 0
     reasons: list[str] = dataclasses.field(default_factory=list)
     exhausted: str | None = None
 
@@ -254,11 +263,17 @@ class Call:
             raise KeyReused(self.key, response)
         if verdict in (Verdict.FINAL, Verdict.KEY_REUSED):
             return None
-        counted = verdict is Verdict.RETRY
         asked = retry_after_seconds(headers.get("Retry-After"))
         if asked is not None:
             asked = min(asked, self.policy.retry_after_cap)
-        return self._retry(f"status {status}", counted=counted, wait=asked)
+        if verdict is Verdict.IN_PROGRESS:
+            # Polling a running request: never faster than the backoff's ceiling
+            # allows (a missing or zero Retry-After would make it a busy loop).
+            self.polls += 1
+            ceiling = self.policy.backoff(self.polls, lambda low, high: high)
+            wait = max(asked or 0.0, self.rng(ceiling / 2, ceiling))
+            return self._retry(f"status {status}", counted=False, wait=wait)
+        return self._retry(f"status {status}", counted=True, wait=asked)
 
     def after_error(self, error: BaseException) -> float | None:
         """The wait before retrying after a connection error or timeout, or
@@ -276,11 +291,20 @@ class Call:
                 return None
         if wait is None:
             wait = self.policy.backoff(max(self.failures, 1), self.rng)
-        if wait >= self.remaining():
+        if wait + self.policy.deadline * MIN_ATTEMPT_SHARE > self.remaining():
             self.exhausted = "deadline"
             return None
         self.reasons.append(reason)
         return wait
+
+    def gave_up(self, error: BaseException) -> BaseException:
+        """``error``, the call's last, with the outcome attached as
+        ``error.idempotency`` (the key to call again with, the attempts made)."""
+        try:
+            error.idempotency = self.outcome(None, None)  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__
+            pass
+        return error
 
     def outcome(self, status: int | None, headers: Mapping[str, str] | None) -> CallOutcome:
         return CallOutcome(

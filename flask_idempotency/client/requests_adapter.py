@@ -9,7 +9,7 @@ is kept by every attempt.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import requests
@@ -22,11 +22,9 @@ from requests.exceptions import (
 )
 
 from .hooks import CallEvent, report
-from .policy import Call, RetryPolicy, check_key, new_key
+from .keys import call_key
+from .policy import Call, KeyReused, RetryPolicy
 
-#: Methods HTTP defines as safe: retried the same way, but sent without a key
-#: (the server ignores one on them).
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: Failures a retry can get past. Certificate errors cannot; they are
 #: ``ConnectionError`` subclasses, so they are named to be let through.
 RETRIED = (ConnectionError, Timeout, ChunkedEncodingError)
@@ -42,12 +40,25 @@ def _cut(timeout: Any, left: float) -> Any:
     return timeout  # urllib3's Timeout object: the caller's choice, as it is
 
 
+def _check_whole(response: requests.Response) -> None:
+    """Raise ``ChunkedEncodingError`` for an answer shorter than its
+    ``Content-Length``: urllib3 2 does so itself, urllib3 1.26 (under requests
+    below 2.30) hands over what came, and a cut answer would pass for the answer."""
+    declared = response.headers.get("Content-Length", "")
+    received = response.raw.tell() if hasattr(response.raw, "tell") else None
+    if declared.isascii() and declared.isdigit() and received is not None:
+        bodiless = response.request.method == "HEAD" or response.status_code in (204, 304)
+        if received < int(declared) and not bodiless:
+            raise ChunkedEncodingError(f"answer cut short: {received} of {declared} bytes")
+
+
 class IdempotentAdapter(HTTPAdapter):
     """An ``HTTPAdapter`` that keeps one ``Idempotency-Key`` per call and retries it.
 
     Mount it (``session.mount("https://", IdempotentAdapter())``) or use
     ``IdempotentSession``. A request's own ``Idempotency-Key`` header is its key;
-    without one, a UUID4 is made once per call. Each response carries the
+    without one, a UUID4 is made once per call (but not inside a claimed request:
+    there the call needs ``purpose_key()``'s). Each response carries the
     outcome as ``response.idempotency`` (a ``CallOutcome``). A body that cannot
     be sent twice (a generator, a file) is sent once, without retries.
     """
@@ -73,26 +84,37 @@ class IdempotentAdapter(HTTPAdapter):
         **kwargs: Any,
     ) -> requests.Response:
         method = (request.method or "GET").upper()
-        key = None if method in SAFE_METHODS else self._key(request.headers)
+        key = call_key(method, request.headers.get(self.policy.key_header))
+        if key is not None:
+            request.headers[self.policy.key_header] = key
         resendable = request.body is None or isinstance(request.body, bytes | str)
         call = Call(self.policy, key, resendable)
         url = request.url or ""
         while True:
-            attempt_timeout = _cut(timeout, call.attempt_timeout(None))
             try:
-                response = super().send(request, stream=stream, timeout=attempt_timeout, **kwargs)
-                body = None if stream and response.status_code < 400 else response.content
-            except NOT_RETRIED:
+                response = self._attempt(
+                    request, stream, _cut(timeout, call.attempt_timeout(None)), kwargs
+                )
+            except NOT_RETRIED as error:
+                report(self.hooks, call, "gave_up", method, url, error=error)
+                call.gave_up(error)
                 raise
             except RETRIED as error:
                 wait = call.after_error(error)
                 if wait is None:
                     report(self.hooks, call, "gave_up", method, url, error=error)
+                    call.gave_up(error)
                     raise
                 report(self.hooks, call, "retry", method, url, error=error, wait=wait)
                 time.sleep(wait)
                 continue
-            wait = call.after_answer(response.status_code, response.headers, body, response)
+            body = response.content if response.status_code >= 400 else None
+            try:
+                wait = call.after_answer(response.status_code, response.headers, body, response)
+            except KeyReused as refused:
+                report(self.hooks, call, "gave_up", method, url, status=response.status_code)
+                call.gave_up(refused)
+                raise
             if wait is not None:
                 report(
                     self.hooks, call, "retry", method, url, status=response.status_code, wait=wait
@@ -114,14 +136,20 @@ class IdempotentAdapter(HTTPAdapter):
             response.idempotency = outcome  # type: ignore[attr-defined]
             return response
 
-    def _key(self, headers: MutableMapping[str, Any]) -> str:
-        """The call's key: the request's own, else a new one, set on the request."""
-        given = headers.get(self.policy.key_header)
-        if isinstance(given, bytes):
-            given = given.decode("ascii", "replace")
-        key = check_key(given) if given else new_key()
-        headers[self.policy.key_header] = key
-        return key
+    def _attempt(
+        self, request: requests.PreparedRequest, stream: bool, timeout: Any, options: Any
+    ) -> requests.Response:
+        """One send; the body read here (an error's always, the rest unless
+        ``stream``) so that an answer cut short is retried like a lost one."""
+        response = super().send(request, stream=stream, timeout=timeout, **options)
+        try:
+            if not stream or response.status_code >= 400:
+                response.content  # noqa: B018 (reads and keeps the body)
+                _check_whole(response)
+        except BaseException:
+            response.close()
+            raise
+        return response
 
 
 class IdempotentSession(requests.Session):

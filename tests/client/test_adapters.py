@@ -140,13 +140,14 @@ def test_a_key_the_server_would_refuse_is_refused_before_sending(
 
 @pytest.mark.parametrize("profile", ["stripe", "ietf"])
 def test_key_reused_is_raised_after_one_attempt(
-    server: ScriptedServer, caller: Caller, profile: str
+    server: ScriptedServer, caller: Caller, profile: str, events: list[CallEvent]
 ) -> None:
     server.script(Answer.error(422, "key_reused", profile=profile))
     with pytest.raises(KeyReused) as raised:
         caller.call("POST", server.url + "/pay", key="used-key")
     assert raised.value.key == "used-key" and "used-key" not in str(raised.value)
     assert len(server.seen) == 1
+    assert [(event.kind, event.status) for event in events] == [("gave_up", 422)]
 
 
 @pytest.mark.parametrize(
@@ -223,10 +224,33 @@ def test_a_refused_connection_is_retried_then_raised(
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     caller = make_caller()
-    with pytest.raises((requests.ConnectionError, httpx.ConnectError)):
-        caller.call("POST", f"http://127.0.0.1:{port}/pay", key="k")
+    with pytest.raises((requests.ConnectionError, httpx.ConnectError)) as raised:
+        caller.call("POST", f"http://127.0.0.1:{port}/pay")
     assert [event.kind for event in events] == ["retry"] * 3 + ["gave_up"]
     assert events[-1].attempt == FAST.max_attempts and events[-1].exhausted == "attempts"
+    # The outcome rides on the error: the key to call again with later.
+    outcome: CallOutcome = raised.value.idempotency  # type: ignore[attr-defined]
+    assert outcome.attempts == FAST.max_attempts and outcome.exhausted == "attempts"
+    assert outcome.key is not None and events[-1].key_hash == hash_key(outcome.key)
+
+
+@pytest.mark.parametrize("status", [408, 425, 429])
+def test_not_now_answers_are_retried(server: ScriptedServer, caller: Caller, status: int) -> None:
+    server.script(Answer(status, headers={"Retry-After": "0"}), Answer(201))
+    answer, outcome, _ = caller.call("POST", server.url + "/pay")
+    assert answer == 201 and outcome.reasons == (f"status {status}",)
+
+
+def test_in_progress_without_retry_after_polls_slower_and_slower(
+    server: ScriptedServer, make_caller: Callable[..., Caller], events: list[CallEvent]
+) -> None:
+    caller = make_caller(RetryPolicy(backoff_base=0.05, backoff_max=0.4, deadline=10))
+    server.script([Answer.error(409, "idempotency_key_in_use")] * 5)
+    status, outcome, _ = caller.call("POST", server.url + "/pay", key="k")
+    assert status == 200 and outcome.attempts == 6
+    ceilings = [0.05, 0.1, 0.2, 0.4, 0.4]
+    waits = [event.wait or 0.0 for event in events if event.kind == "retry"]
+    assert all(c / 2 <= w <= c for w, c in zip(waits, ceilings, strict=True)), waits
 
 
 @pytest.fixture
@@ -328,3 +352,45 @@ def test_requests_adapter_refuses_urllib3_retries() -> None:
 
     with pytest.raises(TypeError):
         IdempotentAdapter(max_retries=3)
+
+
+def test_httpx_answers_stay_whole_httpx_responses(server: ScriptedServer) -> None:
+    """Read inside the loop, the answer still reaches the client unread: its
+    ``elapsed`` and its event hooks work as with httpx's own transport."""
+    seen: list[int] = []
+
+    def on_response(response: httpx.Response) -> None:
+        seen.append(response.status_code)
+
+    server.script(Answer(503), Answer(201, b'{"id": "ch_1"}'))
+    transport = IdempotentTransport(FAST)
+    with httpx.Client(transport=transport, event_hooks={"response": [on_response]}) as client:
+        answer = client.post(server.url + "/pay", json={"a": 1})
+    assert answer.status_code == 201 and answer.json() == {"id": "ch_1"}
+    assert answer.elapsed.total_seconds() >= 0 and seen == [201]
+
+
+def test_httpx_gzip_answers_are_decoded_once(server: ScriptedServer) -> None:
+    import gzip
+
+    document = b'{"error": {"code": "in_progress"}}'
+    zipped = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    server.script(
+        Answer(409, gzip.compress(document), {**zipped, "Retry-After": "0"}),
+        Answer(201, gzip.compress(b'{"id": "ch_1"}'), zipped),
+    )
+    with httpx.Client(transport=IdempotentTransport(FAST)) as client:
+        answer = client.post(server.url + "/pay", json={})
+    outcome = answer.extensions["idempotency"]
+    assert answer.json() == {"id": "ch_1"} and outcome.reasons == ("status 409",)
+
+
+def test_async_transport_runs_under_trio_too(server: ScriptedServer) -> None:
+    trio = pytest.importorskip("trio")
+    server.script(Answer(503, headers={"Retry-After": "0"}), Answer(201))
+
+    async def main() -> int:
+        async with httpx.AsyncClient(transport=AsyncIdempotentTransport(FAST)) as client:
+            return (await client.post(server.url + "/pay")).status_code
+
+    assert trio.run(main) == 201 and len(server.seen) == 2

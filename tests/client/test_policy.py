@@ -74,7 +74,7 @@ def test_error_code_ignores_a_huge_body() -> None:
         (409, {}, "idempotency_key_in_use", Verdict.IN_PROGRESS),  # Stripe's own API
         (409, {}, "duplicate_order", Verdict.FINAL),  # a business conflict
         (409, {}, None, Verdict.FINAL),
-        (409, {"Retry-After": "2"}, None, Verdict.IN_PROGRESS),  # a plain server asking back
+        (409, {"Retry-After": "2"}, None, Verdict.FINAL),  # a plain server's conflict
         (408, {}, None, Verdict.RETRY),
         (425, {}, None, Verdict.RETRY),
         (429, {"Retry-After": "3"}, "rate_limited", Verdict.RETRY),
@@ -100,6 +100,7 @@ def test_retry_after_reads_seconds_and_dates() -> None:
     assert retry_after_seconds(" 3 ") == 3.0
     assert retry_after_seconds("soon") is None
     assert retry_after_seconds("-1") is None
+    assert retry_after_seconds("\u00b2") is None  # "²".isdigit(), yet no number of seconds
     date = email.utils.formatdate(1_000_030, usegmt=True)
     assert retry_after_seconds(date, now=lambda: 1_000_000) == pytest.approx(30.0)
     assert retry_after_seconds(date, now=lambda: 2_000_000) == 0.0  # a date in the past
@@ -115,10 +116,12 @@ def test_replay_marker_in_either_profile() -> None:
 def test_keys() -> None:
     assert new_key() != new_key()
     assert check_key(new_key())
-    for bad in ("", "a b", "x" * 256, "é", "tab\t"):
+    for bad in ("", "a b", "x" * 256, "é", "tab\t", "a,b"):
         with pytest.raises(ValueError):
             check_key(bad)
-    assert "secret-key" not in hash_key("secret-key") and len(hash_key("k")) == 12
+    assert check_key("x" * 255) and check_key('"quoted"')
+    assert hash_key("k") == hash_key("k") != hash_key("K")
+    assert len(hash_key("k")) == 12 and int(hash_key("k"), 16) >= 0
 
 
 @pytest.mark.parametrize(
@@ -182,24 +185,60 @@ def test_attempts_run_out() -> None:
     assert call.outcome(502, {}).exhausted == "attempts"
 
 
-def test_in_progress_waits_do_not_spend_attempts_only_the_deadline() -> None:
+def test_in_progress_polls_spend_the_deadline_not_the_attempts_and_slow_down() -> None:
     clock = FakeClock()
-    call = make_call(clock, max_attempts=2, deadline=30.0)
-    body = stripe("in_progress")
-    for _ in range(20):
-        wait = call.after_answer(409, {"Retry-After": "1", "Content-Type": JSON}, body, None)
-        assert wait == 1.0
-        clock.now += 1.0
-    assert call.failures == 0
-    clock.now += 9.5  # 29.5 s in: a 1 s wait would end past the deadline
-    assert call.after_answer(409, {"Retry-After": "1", "Content-Type": JSON}, body, None) is None
-    assert call.exhausted == "deadline"
+    call = make_call(clock, max_attempts=2, deadline=60.0, backoff_base=0.5, backoff_max=4.0)
+    headers = {"Retry-After": "1", "Content-Type": JSON}
+    waits = []
+    while (wait := call.after_answer(409, headers, stripe("in_progress"), None)) is not None:
+        waits.append(wait)
+        clock.now += wait
+    # Retry-After while it is the longer wait, then the backoff's ceiling (this rng's draw).
+    assert waits[:4] == [1.0, 1.0, 2.0, 4.0] and set(waits[4:]) == {4.0}
+    assert call.failures == 0 and call.exhausted == "deadline" and call.polls == len(waits) + 1
+    assert clock.now - 100.0 > 60.0 * 0.85  # polled until near the deadline
+
+
+def test_in_progress_without_retry_after_is_no_busy_loop() -> None:
+    clock = FakeClock()
+    policy = RetryPolicy(deadline=5.0, backoff_base=0.25, backoff_max=2.0)
+    call = Call(policy, "k", clock=clock, rng=lambda low, high: low)  # the shortest draw
+    polls = 0
+    for headers in [{"Retry-After": "0"}, {}] * 50:
+        wait = call.after_answer(
+            409, {**headers, "Content-Type": JSON}, stripe("in_progress"), None
+        )
+        if wait is None:
+            break
+        polls += 1
+        clock.now += wait
+    assert polls < 12, polls  # a 5 s deadline, waits of at least half the growing ceiling
 
 
 def test_a_wait_past_the_deadline_ends_the_call_now() -> None:
     call = make_call(FakeClock(), deadline=3.0, retry_after_cap=10.0)
     assert call.after_answer(503, {"Retry-After": "5"}, None, None) is None
     assert call.exhausted == "deadline"
+
+
+def test_no_retry_starts_with_a_sliver_of_the_deadline_left() -> None:
+    """A retry with 0.1 s left would end in a timeout (outcome unknown) where the
+    503 in hand says plainly that nothing was done: it is returned instead."""
+    clock = FakeClock()
+    call = make_call(clock, deadline=10.0)
+    clock.now += 8.5
+    assert call.after_answer(503, {"Retry-After": "0"}, None, None) == 0.0  # 1.5 s left
+    clock.now += 0.6
+    assert call.after_answer(503, {"Retry-After": "0"}, None, None) is None  # 0.9 s left
+    assert call.exhausted == "deadline"
+
+
+def test_the_outcome_rides_on_the_error_a_call_ends_with() -> None:
+    call = make_call(FakeClock())
+    call.attempt_timeout(None)
+    error = TimeoutError("read timed out")
+    assert call.gave_up(error) is error
+    assert error.idempotency.key == "k" and error.idempotency.attempts == 1  # type: ignore[attr-defined]
 
 
 def test_attempt_timeout_is_cut_to_the_deadline() -> None:
