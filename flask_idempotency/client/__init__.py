@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .budget import RetryBudget
 from .hooks import CallEvent
 from .keys import purpose_key
 from .policy import CallOutcome, KeyReused, RetryPolicy
@@ -27,6 +28,7 @@ __all__ = [
     "IdempotentSession",
     "IdempotentTransport",
     "KeyReused",
+    "RetryBudget",
     "RetryPolicy",
     "purpose_key",
 ]

@@ -38,6 +38,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
+from .budget import RetryBudget
+
 #: Answers that mean "not now", each with the server's ``Retry-After`` when it has one.
 RETRY_LATER = frozenset({408, 425, 429, 503})
 #: A ``409`` with one of these codes is a request under the same key still running.
@@ -105,8 +107,9 @@ class CallOutcome:
     #: Why each retry was made, in order (``"status 503"``, ``"ReadTimeout"``...).
     reasons: tuple[str, ...] = ()
     #: Set when the call stopped while a retry could still have helped:
-    #: ``"attempts"``, ``"deadline"``, or ``"body"`` (a streamed request body,
-    #: which cannot be sent twice).
+    #: ``"attempts"``, ``"deadline"``, ``"budget"`` (the policy's shared
+    #: ``RetryBudget`` was spent), or ``"body"`` (a streamed request body, which
+    #: cannot be sent twice).
     exhausted: str | None = None
 
 
@@ -128,6 +131,9 @@ class RetryPolicy:
     retry_after_cap: float = 10.0
     #: The header the key goes in (the server's ``IDEMPOTENCY_KEY_HEADER``).
     key_header: str = "Idempotency-Key"
+    #: Retries shared by every call of this policy (``budget.RetryBudget``); without
+    #: one, only each call's own limits apply.
+    budget: RetryBudget | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -244,6 +250,8 @@ class Call:
 
     def __post_init__(self) -> None:
         self.started = self.clock()
+        if self.policy.budget is not None:
+            self.policy.budget.deposit()
 
     def remaining(self) -> float:
         return self.started + self.policy.deadline - self.clock()
@@ -293,6 +301,9 @@ class Call:
             wait = self.policy.backoff(max(self.failures, 1), self.rng)
         if wait + self.policy.deadline * MIN_ATTEMPT_SHARE > self.remaining():
             self.exhausted = "deadline"
+            return None
+        if counted and self.policy.budget is not None and not self.policy.budget.withdraw():
+            self.exhausted = "budget"
             return None
         self.reasons.append(reason)
         return wait

@@ -52,6 +52,7 @@ PUBLIC = {
         "IdempotentSession",
         "IdempotentTransport",
         "KeyReused",
+        "RetryBudget",
         "RetryPolicy",
         "purpose_key",
     ],
