@@ -15,7 +15,8 @@ from flask import has_app_context
 
 from .. import digests
 from ..engine import Attempt, current_attempt
-from .policy import SAFE_METHODS, check_key, new_key
+from ..runtime import SAFE_METHODS
+from .policy import check_key, new_key
 
 
 def _claimed() -> Attempt | None:

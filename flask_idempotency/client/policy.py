@@ -1,4 +1,4 @@
-"""When a retried call may be sent again, and how long to wait: no I/O, no HTTP library.
+"""When a retried call may be sent again, and how long to wait: no I/O, no HTTP client.
 
 The client half of the protocol: a logical call keeps one key across all its
 attempts, so whatever the first attempt did on the server, a retry either
@@ -15,6 +15,9 @@ answers a retry can change. The rules, for the two HTTP clients' adapters
   answer says a retry cannot help (``Stripe-Should-Retry: false``, or a final
   code such as ``schema_missing``);
 - ``422 key_reused``: raise ``KeyReused``; every other answer is final.
+
+The codes, header names and key rules are the server's own (``errors``,
+``profiles``, ``keys``), so the two halves cannot drift apart.
 
 A call ends at whichever comes first of ``max_attempts`` failed attempts and
 its ``deadline``; a ``409`` in progress does not count as a failure (the
@@ -38,27 +41,32 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
+from .. import errors
+from ..digests import log_key
+from ..keys import parse_key
+from ..profiles import IETF, PROBLEM_TYPE_BASE, SHOULD_RETRY_HEADER, STRIPE
 from .budget import RetryBudget
 
 #: Answers that mean "not now", each with the server's ``Retry-After`` when it has one.
 RETRY_LATER = frozenset({408, 425, 429, 503})
-#: A ``409`` with one of these codes is a request under the same key still running.
-IN_PROGRESS_CODES = frozenset({"in_progress", "lease_lost", "idempotency_key_in_use"})
+#: A ``409`` with one of these codes is a request under the same key still running
+#: (the last is Stripe's own API's).
+IN_PROGRESS_CODES = frozenset(
+    {errors.RequestInProgress.error_code, errors.LeaseLost.error_code, "idempotency_key_in_use"}
+)
 #: ``5xx`` codes that a retry cannot change: the server's set-up or the answer itself.
 FINAL_CODES = frozenset(
-    {"schema_missing", "schema_outdated", "response_not_storable", "response_too_large"}
+    error.error_code
+    for error in (
+        errors.SchemaMissing,
+        errors.SchemaOutdated,
+        errors.ResponseNotStorable,
+        errors.ResponseTooLarge,
+    )
 )
-#: The ``ietf`` profile's problem ``type`` prefix (the code follows it).
-PROBLEM_TYPE_PREFIX = "urn:flask-idempotency:error:"
 #: An error body is a few hundred bytes; a larger one is not read for its code.
 MAX_ERROR_BODY = 64 * 1024
-#: What the server accepts as a key: visible ASCII, at most 255 characters, and no
-#: comma (an unquoted comma separates two values of a header: ``400 invalid_key``).
-_KEY_PATTERN = re.compile(r"[\x21-\x2b\x2d-\x7e]{1,255}")
 _DELAY_SECONDS = re.compile(r"[0-9]+")
-#: Methods HTTP defines as safe: retried by the same rules, but sent without a key
-#: (the server ignores one on them).
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 #: The part of the deadline that must be left for a retry to start.
 MIN_ATTEMPT_SHARE = 0.1
 
@@ -157,15 +165,21 @@ def new_key() -> str:
 
 
 def check_key(key: str) -> str:
-    """``key`` if the server would accept it; a ``ValueError`` now beats a ``400`` later."""
-    if not isinstance(key, str) or not _KEY_PATTERN.fullmatch(key):
-        raise ValueError("an idempotency key is 1 to 255 visible ASCII characters")
+    """``key`` if the server would take it as it is sent (``keys.parse_key``, with no
+    surrounding blanks): a ``ValueError`` now beats a ``400 invalid_key`` later."""
+    try:
+        accepted = isinstance(key, str) and key == key.strip(" \t") and parse_key(key) is not None
+    except errors.InvalidKey:
+        accepted = False
+    if not accepted:
+        raise ValueError("an idempotency key is 1 to 255 visible ASCII characters, one value")
     return key
 
 
 def hash_key(key: str) -> str:
-    """A short label for logs and metrics: enough to correlate, nothing to replay."""
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    """A short label for logs and metrics (the server's ``log_key`` of the key's
+    SHA-256): enough to correlate, nothing to replay."""
+    return log_key(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest())
 
 
 def error_code(content_type: str | None, body: bytes | None) -> str | None:
@@ -184,8 +198,8 @@ def error_code(content_type: str | None, body: bytes | None) -> str | None:
     if isinstance(code, str):
         return code
     problem_type = document.get("type")
-    if isinstance(problem_type, str) and problem_type.startswith(PROBLEM_TYPE_PREFIX):
-        return problem_type[len(PROBLEM_TYPE_PREFIX) :]
+    if isinstance(problem_type, str) and problem_type.startswith(PROBLEM_TYPE_BASE):
+        return problem_type[len(PROBLEM_TYPE_BASE) :]
     return None
 
 
@@ -206,9 +220,9 @@ def retry_after_seconds(value: str | None, now: Callable[[], float] = time.time)
 
 def classify(status: int, headers: Mapping[str, str], code: str | None) -> Verdict:
     """What an answer means for its call (see the module's docstring)."""
-    if status == 422 and code == "key_reused":
+    if status == errors.KeyReused.code and code == errors.KeyReused.error_code:
         return Verdict.KEY_REUSED
-    if (headers.get("Stripe-Should-Retry") or "").strip().lower() == "false":
+    if (headers.get(SHOULD_RETRY_HEADER) or "").strip().lower() == "false":
         return Verdict.FINAL
     if status == 409:  # a plain server's 409 is a conflict a retry cannot change
         return Verdict.IN_PROGRESS if code in IN_PROGRESS_CODES else Verdict.FINAL
@@ -221,7 +235,7 @@ def classify(status: int, headers: Mapping[str, str], code: str | None) -> Verdi
 
 def replayed(headers: Mapping[str, str]) -> bool | None:
     """The server's replay marker, in either profile; ``None`` when it sent none."""
-    for name in ("Idempotent-Replayed", "Idempotency-Replayed"):
+    for name in (STRIPE.replayed_header, IETF.replayed_header):
         value = headers.get(name)
         if value is not None:
             return value.strip().lower() == "true"

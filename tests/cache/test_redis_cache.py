@@ -220,17 +220,21 @@ def breaker_state(breaker: CircuitBreaker) -> BreakerState:
     return breaker.state
 
 
-def pg_seconds_left(database_url: str, key: bytes) -> float:
+def record_expiry(database_url: str, key: bytes, expression: str) -> float:
+    """``expression`` (over the record's ``expires_at``) for the record ``key``."""
     with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
         cur.execute(
-            "SELECT extract(epoch FROM expires_at - now())::float8"
-            " FROM idempotency_records WHERE record_key = %s",
+            f"SELECT ({expression})::float8 FROM idempotency_records WHERE record_key = %s",
             (key,),
         )
         row = cur.fetchone()
     conn.close()
     assert row is not None
     return float(row[0])
+
+
+def pg_seconds_left(database_url: str, key: bytes) -> float:
+    return record_expiry(database_url, key, "extract(epoch FROM expires_at - now())")
 
 
 def execute(database_url: str, query: str, *params: Any) -> None:
@@ -498,16 +502,7 @@ def embedded_expiry(cache: RedisCache, r: redis.Redis[bytes], key: bytes) -> int
 
 
 def pg_expiry_ms(database_url: str, key: bytes) -> float:
-    with psycopg2.connect(database_url) as conn, conn.cursor() as cur:
-        cur.execute(
-            "SELECT extract(epoch FROM expires_at)::float8 * 1000"
-            " FROM idempotency_records WHERE record_key = %s",
-            (key,),
-        )
-        row = cur.fetchone()
-    conn.close()
-    assert row is not None
-    return float(row[0])
+    return record_expiry(database_url, key, "extract(epoch FROM expires_at) * 1000")
 
 
 def test_cached_entry_never_outlives_the_record(

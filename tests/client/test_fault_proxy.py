@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from support.scripted_http import Answer, ScriptedServer, Seen
 from support.tcp_proxy import Fault, TcpProxy
 
 #: Long enough that a client would wait it out, short enough for a unit test.
@@ -25,53 +24,24 @@ HOLD_SECONDS = 0.5
 CLIENT_TIMEOUT = 10.0
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as gunicorn's gthread workers
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-        server: _Upstream = self.server  # type: ignore[assignment]
-        with server.lock:
-            server.seen.append(body)  # before answering: counted even if the answer is lost
-        answer = b"got " + body
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-class _Upstream(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.host, self.port = "127.0.0.1", self.server_port
-        self.lock = threading.Lock()
-        #: Bodies of the requests that reached the server, in order.
-        self.seen: list[bytes] = []
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # a connection the proxy reset: expected here
+def echo(seen: Seen) -> Answer:
+    return Answer(200, b"got " + seen.body, {})
 
 
 @pytest.fixture
-def upstream() -> Iterator[_Upstream]:
-    server = _Upstream()
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
+def upstream() -> Iterator[ScriptedServer]:
+    """A real HTTP/1.1 server (keep-alive) that answers ``got <body>``."""
+    with ScriptedServer(default=echo) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+
+
+def bodies(server: ScriptedServer) -> list[bytes]:
+    """The bodies of the requests that reached the server, in order."""
+    return [seen.body for seen in server.seen]
 
 
 @pytest.fixture
-def proxy(upstream: _Upstream) -> Iterator[TcpProxy]:
+def proxy(upstream: ScriptedServer) -> Iterator[TcpProxy]:
     with TcpProxy(upstream.host, upstream.port) as proxy:
         yield proxy
 
@@ -114,7 +84,7 @@ def post_once(proxy: TcpProxy, body: bytes) -> bytes:
 
 
 def test_without_faults_requests_pass_and_each_is_scheduled_once(
-    proxy: TcpProxy, upstream: _Upstream
+    proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
     script = Script()
     proxy.inject(script)
@@ -135,21 +105,21 @@ def test_without_faults_requests_pass_and_each_is_scheduled_once(
         conn.close()
     assert post_once(proxy, b"d") == b"got d"  # a second connection
     assert script.calls == 4
-    assert upstream.seen == [b"a", b"b", b"c", b"d"]
+    assert bodies(upstream) == [b"a", b"b", b"c", b"d"]
     assert proxy.faults == {}
 
 
-def test_reset_before_never_reaches_the_server(proxy: TcpProxy, upstream: _Upstream) -> None:
+def test_reset_before_never_reaches_the_server(proxy: TcpProxy, upstream: ScriptedServer) -> None:
     proxy.inject(Script(Fault.RESET_BEFORE))
     with reset_by_peer():
         post_once(proxy, b"lost")
     assert post_once(proxy, b"next") == b"got next"
-    assert upstream.seen == [b"next"]
+    assert bodies(upstream) == [b"next"]
     assert proxy.faults == {Fault.RESET_BEFORE: 1}
 
 
 def test_drop_after_lets_the_server_act_and_resets_the_client(
-    proxy: TcpProxy, upstream: _Upstream
+    proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
     proxy.inject(Script(None, Fault.DROP_AFTER))
     conn = connect(proxy)
@@ -160,21 +130,23 @@ def test_drop_after_lets_the_server_act_and_resets_the_client(
             post(conn, b"acted")
     finally:
         conn.close()
-    assert upstream.seen == [b"first", b"acted"]
+    assert bodies(upstream) == [b"first", b"acted"]
     assert proxy.faults == {Fault.DROP_AFTER: 1}
 
 
-def test_hold_keeps_the_answer_then_resets(proxy: TcpProxy, upstream: _Upstream) -> None:
+def test_hold_keeps_the_answer_then_resets(proxy: TcpProxy, upstream: ScriptedServer) -> None:
     proxy.inject(Script(Fault.HOLD), hold_seconds=HOLD_SECONDS)
     started = time.monotonic()
     with reset_by_peer():
         post_once(proxy, b"held")
     assert time.monotonic() - started >= HOLD_SECONDS
-    assert upstream.seen == [b"held"]
+    assert bodies(upstream) == [b"held"]
     assert proxy.faults == {Fault.HOLD: 1}
 
 
-def test_a_hold_outlasts_a_shorter_client_timeout(proxy: TcpProxy, upstream: _Upstream) -> None:
+def test_a_hold_outlasts_a_shorter_client_timeout(
+    proxy: TcpProxy, upstream: ScriptedServer
+) -> None:
     proxy.inject(Script(Fault.HOLD), hold_seconds=HOLD_SECONDS)
     conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=HOLD_SECONDS / 5)
     try:
@@ -182,20 +154,20 @@ def test_a_hold_outlasts_a_shorter_client_timeout(proxy: TcpProxy, upstream: _Up
             post(conn, b"slow")
     finally:
         conn.close()
-    assert upstream.seen == [b"slow"]
+    assert bodies(upstream) == [b"slow"]
 
 
-def test_inject_none_turns_faults_off(proxy: TcpProxy, upstream: _Upstream) -> None:
+def test_inject_none_turns_faults_off(proxy: TcpProxy, upstream: ScriptedServer) -> None:
     proxy.inject(lambda: Fault.RESET_BEFORE)
     with reset_by_peer():
         post_once(proxy, b"x")
     proxy.inject(None)
     assert post_once(proxy, b"y") == b"got y"
-    assert upstream.seen == [b"y"]
+    assert bodies(upstream) == [b"y"]
     assert proxy.faults == {Fault.RESET_BEFORE: 1}
 
 
-def test_close_ends_a_hold_at_once(upstream: _Upstream) -> None:
+def test_close_ends_a_hold_at_once(upstream: ScriptedServer) -> None:
     proxy = TcpProxy(upstream.host, upstream.port)
     proxy.inject(lambda: Fault.HOLD, hold_seconds=60)
     conn = connect(proxy)

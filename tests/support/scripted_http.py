@@ -14,7 +14,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from werkzeug.serving import WSGIRequestHandler, make_server
@@ -61,24 +61,31 @@ class Seen:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log: a test's captured logs hold only the client's lines."""
+    """No access log: a test's captured logs hold only the client's lines. HTTP/1.1,
+    so connections are kept alive between requests, as gunicorn's gthread workers do."""
+
+    protocol_version = "HTTP/1.1"
 
     def log_request(self, *args: Any, **kwargs: Any) -> None:
         pass
 
 
 class ScriptedServer(ClosesOnExit):
-    """``ScriptedServer()``: listening at ``url``; ``script(*answers)`` queues answers
-    (a ``200 {}`` once they run out); ``seen`` lists the requests in arrival order."""
+    """``ScriptedServer()``: listening at ``url`` (``host``, ``port``); ``script(*answers)``
+    queues answers, and once they run out each request gets ``default(seen)`` (a
+    ``200 {}`` unless given); ``seen`` lists the requests in arrival order, each
+    recorded before it is answered (counted even if its answer is lost)."""
 
-    def __init__(self) -> None:
+    def __init__(self, default: Callable[[Seen], Answer] = lambda seen: Answer()) -> None:
+        self._default = default
         self._lock = threading.Lock()
         self._answers: collections.deque[Answer] = collections.deque()
         self.seen: list[Seen] = []
         self._server = make_server(
             LOOPBACK, 0, self._app, threaded=True, request_handler=_QuietHandler
         )
-        self.url = f"http://{LOOPBACK}:{self._server.server_port}"
+        self.host, self.port = LOOPBACK, self._server.server_port
+        self.url = f"http://{LOOPBACK}:{self.port}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         )
@@ -99,11 +106,12 @@ class ScriptedServer(ClosesOnExit):
     def _app(self, environ: dict[str, Any], start_response: Any) -> Any:
         request = Request(environ)
         with self._lock:
-            self.seen.append(
-                Seen(request.method, request.full_path.rstrip("?"), dict(request.headers),
-                     request.get_data())
+            seen = Seen(
+                request.method, request.full_path.rstrip("?"), dict(request.headers),
+                request.get_data(),
             )  # fmt: skip
-            answer = self._answers.popleft() if self._answers else Answer()
+            self.seen.append(seen)
+            answer = self._answers.popleft() if self._answers else self._default(seen)
         if answer.delay:
             time.sleep(answer.delay)
         return Response(answer.body, answer.status, dict(answer.headers))(environ, start_response)
