@@ -134,6 +134,8 @@ def test_the_shipped_hooks_add_up_every_worker_and_drop_dead_ones(
     wait_until(
         lambda: len(list(directory.glob("gauge_livesum_*.db"))) == WORKERS, 30, "the new worker"
     )
+    # Its file appears with its first gauge, before its pool is built and counted.
+    wait_until(lambda: scrape(server)[pool_max] == WORKERS * POOL_SIZE, 30, "the new worker's pool")
     for _ in range(2 * WORKERS):
         samples = scrape(server)
         assert samples["flask_idempotency_requests_total/executed"] == sent
