@@ -105,11 +105,13 @@ class Proxy:
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        """Forward ``src`` to ``dst``; going up, count each message before it is
+        forwarded, so a request's count is in before its answer can come back."""
         buf, started = b"", not up  # the startup packet carries no type byte
         with suppress(OSError):
             while data := src.recv(65536):
-                dst.sendall(data)
                 if not up:
+                    dst.sendall(data)
                     continue
                 buf += data
                 while True:
@@ -125,6 +127,7 @@ class Proxy:
                     if kind in (b"Q", b"S"):
                         with self.lock:
                             self.round_trips += 1
+                dst.sendall(data)
         with suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
