@@ -2,16 +2,18 @@
 
 The same rule as the server's logs: a key can replay an answer, so it never
 appears raw; its hash is enough to follow one call across its attempts.
+``answered`` and ``failed`` are the adapters' one step after each attempt: the
+policy's decision, reported, so that every adapter reports alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-from .policy import Call, hash_key
+from .policy import Call, CallOutcome, KeyReused, hash_key
 
 log = logging.getLogger("flask_idempotency.client")
 
@@ -82,3 +84,49 @@ def report(
             hook(event)
         except Exception:
             log.exception("client hook %r failed", hook)
+
+
+def answered(
+    hooks: Sequence[Callable[[CallEvent], None]],
+    call: Call,
+    method: str,
+    url: str,
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes | None,
+    response: object,
+) -> float | CallOutcome:
+    """``call.after_answer``, reported: the seconds to wait before the next attempt,
+    or the call's outcome when this answer is the one returned (``KeyReused`` raised)."""
+    try:
+        wait = call.after_answer(status, headers, body, response)
+    except KeyReused as refused:
+        report(hooks, call, "gave_up", method, url, status=status)
+        call.gave_up(refused)
+        raise
+    if wait is not None:
+        report(hooks, call, "retry", method, url, status=status, wait=wait)
+        return wait
+    outcome = call.outcome(status, headers)
+    kind = "gave_up" if outcome.exhausted else "done"
+    report(hooks, call, kind, method, url, status=status, replayed=outcome.replayed)
+    return outcome
+
+
+def failed(
+    hooks: Sequence[Callable[[CallEvent], None]],
+    call: Call,
+    method: str,
+    url: str,
+    error: Exception,
+    *,
+    retryable: bool = True,
+) -> float:
+    """``call.after_error``, reported: the seconds to wait before the next attempt;
+    else ``error`` is raised, the call's outcome on it."""
+    wait = call.after_error(error) if retryable else None
+    if wait is None:
+        report(hooks, call, "gave_up", method, url, error=error)
+        raise call.gave_up(error)
+    report(hooks, call, "retry", method, url, error=error, wait=wait)
+    return wait

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import anyio
 import httpx
 
-from .hooks import CallEvent, report
-from .keys import call_key
-from .policy import Call, KeyReused, RetryPolicy
+from .hooks import CallEvent, answered, failed
+from .keys import set_call_key
+from .policy import Call, CallOutcome, KeyReused, RetryPolicy, within
 
 #: What a retry can get past: timeouts, broken or refused connections and
 #: answers cut short. Not a ``LocalProtocolError`` or an unsupported URL.
@@ -27,21 +27,12 @@ OUTCOME = "idempotency"
 Hooks = Sequence[Callable[[CallEvent], None]]
 
 
-def _begin(request: httpx.Request, policy: RetryPolicy) -> Call:
-    """The call for ``request``, its key set on it (``keys.call_key``)."""
-    key = call_key(request.method, request.headers.get(policy.key_header))
-    if key is not None:
-        request.headers[policy.key_header] = key
-    return Call(policy, key)
-
-
 def _timed(request: httpx.Request, call: Call) -> httpx.Request:
     """``request`` with each of its timeouts cut to what is left of the deadline."""
-    left = call.attempt_timeout(None)
+    left = call.attempt_timeout()
     timeouts = dict(request.extensions.get("timeout") or {})
     for name in ("connect", "read", "write", "pool"):
-        given = timeouts.get(name)
-        timeouts[name] = left if given is None else min(given, left)
+        timeouts[name] = within(timeouts.get(name), left)
     request.extensions = {**request.extensions, "timeout": timeouts}
     return request
 
@@ -83,37 +74,19 @@ def _error_body(response: httpx.Response, raw: bytes | None) -> bytes | None:
 def _decide(
     call: Call, response: httpx.Response, raw: bytes | None, hooks: Hooks, request: httpx.Request
 ) -> float | None:
-    """``call.after_answer`` for ``response``, with the outcome reported either way."""
+    """The wait before the next attempt, or ``None``: ``response`` is returned, its
+    outcome in its extensions (``hooks.answered``)."""
+    method, url, status = request.method, str(request.url), response.status_code
     body = _error_body(response, raw)
     try:
-        wait = call.after_answer(response.status_code, response.headers, body, response)
-    except KeyReused as refused:
+        step = answered(hooks, call, method, url, status, response.headers, body, response)
+    except KeyReused:
         response.read()  # in memory already: the error's answer, readable as it is
-        report(
-            hooks, call, "gave_up", request.method, str(request.url), status=response.status_code
-        )
-        call.gave_up(refused)
         raise
-    if wait is not None:
-        report(hooks, call, "retry", request.method, str(request.url),
-               status=response.status_code, wait=wait)  # fmt: skip
-        return wait
-    outcome = call.outcome(response.status_code, response.headers)
-    kind = "gave_up" if outcome.exhausted else "done"
-    report(hooks, call, kind, request.method, str(request.url),
-           status=outcome.status, replayed=outcome.replayed)  # fmt: skip
-    response.extensions = {**response.extensions, OUTCOME: outcome}
-    return None
-
-
-def _after_error(call: Call, error: Exception, hooks: Hooks, request: httpx.Request) -> float:
-    """The wait before the next attempt, or the error re-raised with the outcome."""
-    wait = call.after_error(error)
-    if wait is None:
-        report(hooks, call, "gave_up", request.method, str(request.url), error=error)
-        raise call.gave_up(error)
-    report(hooks, call, "retry", request.method, str(request.url), error=error, wait=wait)
-    return wait
+    if isinstance(step, CallOutcome):
+        response.extensions = {**response.extensions, OUTCOME: step}
+        return None
+    return step
 
 
 class IdempotentTransport(httpx.BaseTransport):
@@ -134,7 +107,9 @@ class IdempotentTransport(httpx.BaseTransport):
         self.hooks = tuple(hooks)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        call = _begin(request, self.policy)
+        call = Call(
+            self.policy, set_call_key(request.method, request.headers, self.policy.key_header)
+        )
         request.read()  # a streamed body becomes bytes: every attempt sends it whole
         while True:
             raw = None
@@ -147,7 +122,7 @@ class IdempotentTransport(httpx.BaseTransport):
                         response.close()
                     response = _as_read(response, raw, request)
             except RETRIED as error:
-                time.sleep(_after_error(call, error, self.hooks, request))
+                time.sleep(failed(self.hooks, call, request.method, str(request.url), error))
                 continue
             wait = _decide(call, response, raw, self.hooks, request)
             if wait is None:
@@ -174,7 +149,9 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
         self.hooks = tuple(hooks)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        call = _begin(request, self.policy)
+        call = Call(
+            self.policy, set_call_key(request.method, request.headers, self.policy.key_header)
+        )
         await request.aread()
         while True:
             raw = None
@@ -187,7 +164,7 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
                         await response.aclose()
                     response = _as_read(response, raw, request)
             except RETRIED as error:
-                await anyio.sleep(_after_error(call, error, self.hooks, request))
+                await anyio.sleep(failed(self.hooks, call, request.method, str(request.url), error))
                 continue
             wait = _decide(call, response, raw, self.hooks, request)
             if wait is None:

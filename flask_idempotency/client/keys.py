@@ -11,6 +11,9 @@ be a new one in the view's next attempt, a second charge downstream.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from typing import Any
+
 from flask import has_app_context
 
 from .. import digests
@@ -19,10 +22,12 @@ from ..runtime import SAFE_METHODS
 from .policy import check_key, new_key
 
 
-def _claimed() -> Attempt | None:
-    """The running idempotent request's attempt, if this is one (and has a key)."""
+def _claimed() -> tuple[Attempt, bytes] | None:
+    """The running idempotent request's attempt and its key, if this is one."""
     attempt = current_attempt() if has_app_context() else None
-    return attempt if attempt is not None and attempt.record_key is not None else None
+    if attempt is None or attempt.record_key is None:
+        return None
+    return attempt, attempt.record_key
 
 
 def purpose_key(purpose: str) -> str:
@@ -31,30 +36,36 @@ def purpose_key(purpose: str) -> str:
     Needs a running idempotent request with a key (as ``derived_key`` does);
     raises ``ValueError`` when this attempt already used ``purpose``.
     """
-    attempt = _claimed()
-    if attempt is None or attempt.record_key is None:
+    claimed = _claimed()
+    if claimed is None:
         raise RuntimeError("purpose_key() needs a running idempotent request with a key")
+    attempt, record_key = claimed
     if purpose in attempt.purposes:
         raise ValueError(
             f"purpose {purpose!r} already named a call in this request: "
             "give each downstream call a purpose of its own"
         )
     attempt.purposes.add(purpose)
-    return digests.derived_key(attempt.record_key, purpose)
+    return digests.derived_key(record_key, purpose)
 
 
-def call_key(method: str, given: str | bytes | None) -> str | None:
-    """The key a call sends: none on a safe method; the caller's, checked; else a
-    new one, except inside a claimed request, where it must be ``purpose_key()``'s."""
+def set_call_key(method: str, headers: MutableMapping[str, Any], header: str) -> str | None:
+    """The key a call sends, set in its ``headers``: none on a safe method; the
+    caller's ``header``, checked; else a new one, except inside a claimed request,
+    where it must be ``purpose_key()``'s."""
     if method.upper() in SAFE_METHODS:
         return None
+    given = headers.get(header)
     if isinstance(given, bytes):
         given = given.decode("ascii", "replace")
     if given:
-        return check_key(given)
-    if _claimed() is not None:
+        key = check_key(given)
+    elif _claimed() is not None:
         raise ValueError(
             "a call from an idempotent request needs the key of its purpose, the same in "
             "every attempt: headers={'Idempotency-Key': purpose_key('...')}"
         )
-    return new_key()
+    else:
+        key = new_key()
+    headers[header] = key
+    return key

@@ -153,10 +153,18 @@ class RetryPolicy:
         if self.deadline <= 0:
             raise ValueError("deadline must be > 0")
 
+    def ceiling(self, failures: int) -> float:
+        """The longest wait after the ``failures``-th failure: doubling, capped."""
+        return min(self.backoff_max, self.backoff_base * 2.0 ** max(failures - 1, 0))
+
     def backoff(self, failures: int, rng: Callable[[float, float], float]) -> float:
-        """The wait after the ``failures``-th failure: full jitter under a doubling ceiling."""
-        ceiling = min(self.backoff_max, self.backoff_base * 2.0 ** max(failures - 1, 0))
-        return rng(0.0, ceiling)
+        """The wait after the ``failures``-th failure: full jitter under its ceiling."""
+        return rng(0.0, self.ceiling(failures))
+
+
+def within(given: float | None, left: float) -> float:
+    """One of the caller's timeouts (``None``: none) cut to ``left`` seconds."""
+    return left if given is None else min(given, left)
 
 
 def new_key() -> str:
@@ -270,11 +278,11 @@ class Call:
     def remaining(self) -> float:
         return self.started + self.policy.deadline - self.clock()
 
-    def attempt_timeout(self, requested: float | None) -> float:
-        """This attempt's timeout: the caller's, cut to what is left of the deadline."""
+    def attempt_timeout(self) -> float:
+        """An attempt begins: what is left of the deadline, which bounds each of
+        its timeouts (``within``)."""
         self.attempts += 1
-        left = max(self.remaining(), 0.001)
-        return left if requested is None else min(requested, left)
+        return max(self.remaining(), 0.001)
 
     def after_answer(
         self, status: int, headers: Mapping[str, str], body: bytes | None, response: object
@@ -292,7 +300,7 @@ class Call:
             # Polling a running request: never faster than the backoff's ceiling
             # allows (a missing or zero Retry-After would make it a busy loop).
             self.polls += 1
-            ceiling = self.policy.backoff(self.polls, lambda low, high: high)
+            ceiling = self.policy.ceiling(self.polls)
             wait = max(asked or 0.0, self.rng(ceiling / 2, ceiling))
             return self._retry(f"status {status}", counted=False, wait=wait)
         return self._retry(f"status {status}", counted=True, wait=asked)

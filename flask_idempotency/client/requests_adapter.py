@@ -21,9 +21,9 @@ from requests.exceptions import (
     Timeout,
 )
 
-from .hooks import CallEvent, report
-from .keys import call_key
-from .policy import Call, KeyReused, RetryPolicy
+from .hooks import CallEvent, answered, failed
+from .keys import set_call_key
+from .policy import Call, CallOutcome, RetryPolicy, within
 
 #: Failures a retry can get past. Certificate errors cannot; they are
 #: ``ConnectionError`` subclasses, so they are named to be let through.
@@ -34,9 +34,9 @@ NOT_RETRIED = (SSLError,)
 def _cut(timeout: Any, left: float) -> Any:
     """The caller's ``timeout`` (seconds or ``(connect, read)``) cut to ``left``."""
     if isinstance(timeout, tuple):
-        return tuple(left if part is None else min(part, left) for part in timeout)
+        return tuple(within(part, left) for part in timeout)
     if timeout is None or isinstance(timeout, int | float):
-        return left if timeout is None else min(timeout, left)
+        return within(timeout, left)
     return timeout  # urllib3's Timeout object: the caller's choice, as it is
 
 
@@ -84,57 +84,27 @@ class IdempotentAdapter(HTTPAdapter):
         **kwargs: Any,
     ) -> requests.Response:
         method = (request.method or "GET").upper()
-        key = call_key(method, request.headers.get(self.policy.key_header))
-        if key is not None:
-            request.headers[self.policy.key_header] = key
+        key = set_call_key(method, request.headers, self.policy.key_header)
         resendable = request.body is None or isinstance(request.body, bytes | str)
         call = Call(self.policy, key, resendable)
         url = request.url or ""
         while True:
             try:
                 response = self._attempt(
-                    request, stream, _cut(timeout, call.attempt_timeout(None)), kwargs
+                    request, stream, _cut(timeout, call.attempt_timeout()), kwargs
                 )
-            except NOT_RETRIED as error:
-                report(self.hooks, call, "gave_up", method, url, error=error)
-                call.gave_up(error)
-                raise
-            except RETRIED as error:
-                wait = call.after_error(error)
-                if wait is None:
-                    report(self.hooks, call, "gave_up", method, url, error=error)
-                    call.gave_up(error)
-                    raise
-                report(self.hooks, call, "retry", method, url, error=error, wait=wait)
-                time.sleep(wait)
+            except RETRIED as error:  # NOT_RETRIED among them, given up at once
+                retryable = not isinstance(error, NOT_RETRIED)
+                time.sleep(failed(self.hooks, call, method, url, error, retryable=retryable))
                 continue
             body = response.content if response.status_code >= 400 else None
-            try:
-                wait = call.after_answer(response.status_code, response.headers, body, response)
-            except KeyReused as refused:
-                report(self.hooks, call, "gave_up", method, url, status=response.status_code)
-                call.gave_up(refused)
-                raise
-            if wait is not None:
-                report(
-                    self.hooks, call, "retry", method, url, status=response.status_code, wait=wait
-                )
-                response.close()
-                time.sleep(wait)
-                continue
-            outcome = call.outcome(response.status_code, response.headers)
-            kind = "gave_up" if outcome.exhausted else "done"
-            report(
-                self.hooks,
-                call,
-                kind,
-                method,
-                url,
-                status=outcome.status,
-                replayed=outcome.replayed,
-            )
-            response.idempotency = outcome  # type: ignore[attr-defined]
-            return response
+            status, headers = response.status_code, response.headers
+            step = answered(self.hooks, call, method, url, status, headers, body, response)
+            if isinstance(step, CallOutcome):
+                response.idempotency = step  # type: ignore[attr-defined]
+                return response
+            response.close()
+            time.sleep(step)
 
     def _attempt(
         self, request: requests.PreparedRequest, stream: bool, timeout: Any, options: Any
