@@ -10,7 +10,6 @@ count in tests/observability/test_metrics_gunicorn.py).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,8 @@ import psycopg2
 from flask import Flask
 
 from flask_idempotency.store.identity import database_identity
+from support.pg_query import query
+from support.waiting import wait_until
 
 
 def test_a_read_racing_the_row_being_made_sees_it(
@@ -51,20 +52,12 @@ def _identity_or_error(store: Any) -> bytes | Exception:
 
 
 def _wait_for_a_lock_wait(database_url: str) -> None:
-    watcher = psycopg2.connect(database_url)
-    watcher.autocommit = True
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with watcher.cursor() as cur:
-                cur.execute(
-                    "SELECT count(*) FROM pg_stat_activity"
-                    " WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                )
-                row = cur.fetchone()
-            if row and row[0]:
-                return
-            time.sleep(0.02)
-        raise AssertionError("the identity read never waited on the other insert")
-    finally:
-        watcher.close()
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND datname = current_database() AND query LIKE '%idempotency_deployment%'"
+    )
+    wait_until(
+        lambda: query(database_url, waiting)[0][0] > 0,
+        20,
+        "the identity read to wait on the other insert",
+    )

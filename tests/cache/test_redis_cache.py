@@ -40,6 +40,7 @@ from flask_idempotency.digests import record_key
 from flask_idempotency.scopes import authorization_digest
 from flask_idempotency.settings import Settings
 from flask_idempotency.store.base import StoredResponse
+from support.clock import FakeClock
 from support.forking import in_forked_child
 from support.servers import ProxyFactory, ThrowawayRedis
 
@@ -78,17 +79,6 @@ def reset_pg_counts() -> None:
 BLOB = b"".join(hashlib.sha256(b"%d" % i).digest() for i in range(200)) + bytes(10_000)
 
 MakeApp = Callable[..., Flask]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def build_app(database_url: str, redis_url: str | None, config: dict[str, Any]) -> Flask:

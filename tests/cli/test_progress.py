@@ -12,6 +12,7 @@ import pytest
 from flask import Flask
 
 from flask_idempotency.cli.progress import Progress
+from support.clock import FakeClock
 from support.pg_query import query
 
 from .conftest import count, run, seed_abandoned, seed_events, seed_expired
@@ -22,14 +23,6 @@ LINE = re.compile(r"^(?P<label>[a-z ]+): (?P<done>\d+)(/(?P<total>\d+) \(\d+%\))
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def progress_lines(stderr: str, label: str) -> list[tuple[int, int | None]]:
@@ -43,7 +36,7 @@ def progress_lines(stderr: str, label: str) -> list[tuple[int, int | None]]:
 
 
 def test_off_a_terminal_a_line_per_interval_and_none_for_a_short_run() -> None:
-    clock, log = Clock(), io.StringIO()
+    clock, log = FakeClock(), io.StringIO()
     with Progress("deleting", total=100, interval=10, stream=log, clock=clock) as progress:
         progress.advance(10)
         clock.now += 5
@@ -60,7 +53,7 @@ def test_off_a_terminal_a_line_per_interval_and_none_for_a_short_run() -> None:
 
 
 def test_a_total_overtaken_grows_and_an_unknown_total_counts() -> None:
-    clock, log = Clock(), io.StringIO()
+    clock, log = FakeClock(), io.StringIO()
     progress = Progress("x", total=2, interval=0, stream=log, clock=clock)
     clock.now += 1
     progress.advance(3)  # rows that expired after the count

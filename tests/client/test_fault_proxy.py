@@ -16,7 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from support.scripted_http import Answer, ScriptedServer, Seen
-from support.tcp_proxy import Fault, TcpProxy
+from support.tcp_proxy import Fault, ScriptedFaults, TcpProxy
+from support.waiting import wait_until
 
 #: Long enough that a client would wait it out, short enough for a unit test.
 HOLD_SECONDS = 0.5
@@ -44,18 +45,6 @@ def bodies(server: ScriptedServer) -> list[bytes]:
 def proxy(upstream: ScriptedServer) -> Iterator[TcpProxy]:
     with TcpProxy(upstream.host, upstream.port) as proxy:
         yield proxy
-
-
-class Script:
-    """A schedule that plays the given faults in order, then ``None``; counts its calls."""
-
-    def __init__(self, *faults: Fault | None) -> None:
-        self.faults = list(faults)
-        self.calls = 0
-
-    def __call__(self) -> Fault | None:
-        self.calls += 1
-        return self.faults.pop(0) if self.faults else None
 
 
 @contextlib.contextmanager
@@ -86,7 +75,7 @@ def post_once(proxy: TcpProxy, body: bytes) -> bytes:
 def test_without_faults_requests_pass_and_each_is_scheduled_once(
     proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
-    script = Script()
+    script = ScriptedFaults()
     proxy.inject(script)
     conn = connect(proxy)
     try:
@@ -110,7 +99,7 @@ def test_without_faults_requests_pass_and_each_is_scheduled_once(
 
 
 def test_reset_before_never_reaches_the_server(proxy: TcpProxy, upstream: ScriptedServer) -> None:
-    proxy.inject(Script(Fault.RESET_BEFORE))
+    proxy.inject(ScriptedFaults(Fault.RESET_BEFORE))
     with reset_by_peer():
         post_once(proxy, b"lost")
     assert post_once(proxy, b"next") == b"got next"
@@ -121,7 +110,7 @@ def test_reset_before_never_reaches_the_server(proxy: TcpProxy, upstream: Script
 def test_drop_after_lets_the_server_act_and_resets_the_client(
     proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
-    proxy.inject(Script(None, Fault.DROP_AFTER))
+    proxy.inject(ScriptedFaults(None, Fault.DROP_AFTER))
     conn = connect(proxy)
     try:
         assert post(conn, b"first") == b"got first"
@@ -135,7 +124,7 @@ def test_drop_after_lets_the_server_act_and_resets_the_client(
 
 
 def test_hold_keeps_the_answer_then_resets(proxy: TcpProxy, upstream: ScriptedServer) -> None:
-    proxy.inject(Script(Fault.HOLD), hold_seconds=HOLD_SECONDS)
+    proxy.inject(ScriptedFaults(Fault.HOLD), hold_seconds=HOLD_SECONDS)
     started = time.monotonic()
     with reset_by_peer():
         post_once(proxy, b"held")
@@ -147,7 +136,7 @@ def test_hold_keeps_the_answer_then_resets(proxy: TcpProxy, upstream: ScriptedSe
 def test_a_hold_outlasts_a_shorter_client_timeout(
     proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
-    proxy.inject(Script(Fault.HOLD), hold_seconds=HOLD_SECONDS)
+    proxy.inject(ScriptedFaults(Fault.HOLD), hold_seconds=HOLD_SECONDS)
     conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=HOLD_SECONDS / 5)
     try:
         with pytest.raises(TimeoutError):
@@ -155,6 +144,7 @@ def test_a_hold_outlasts_a_shorter_client_timeout(
     finally:
         conn.close()
     assert bodies(upstream) == [b"slow"]
+    assert proxy.faults == {Fault.HOLD: 1}
 
 
 def test_inject_none_turns_faults_off(proxy: TcpProxy, upstream: ScriptedServer) -> None:
@@ -173,9 +163,7 @@ def test_close_ends_a_hold_at_once(upstream: ScriptedServer) -> None:
     conn = connect(proxy)
     try:
         conn.request("POST", "/", body=b"z")
-        deadline = time.monotonic() + 5
-        while proxy.faults[Fault.HOLD] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the answer reached the proxy and is held
+        wait_until(lambda: proxy.faults[Fault.HOLD] == 1, 5, "the answer to be held")
         started = time.monotonic()
         proxy.close()
         assert time.monotonic() - started < 5
@@ -183,3 +171,4 @@ def test_close_ends_a_hold_at_once(upstream: ScriptedServer) -> None:
             conn.getresponse()
     finally:
         conn.close()
+        proxy.close()

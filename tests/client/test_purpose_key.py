@@ -80,5 +80,6 @@ def test_a_call_from_a_claimed_request_without_a_key_is_refused(
 
 
 def test_needs_a_claimed_request(app: Flask) -> None:
-    with pytest.raises(RuntimeError), app.test_request_context("/"):
-        purpose_key("processor")
+    with pytest.raises(RuntimeError, match="needs a running idempotent request"):
+        with app.test_request_context("/"):
+            purpose_key("processor")

@@ -13,7 +13,9 @@ ledger and the charges table), never from the answers alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import random
 import time
@@ -36,7 +38,7 @@ from flask_idempotency.client import (
     KeyReused,
     RetryPolicy,
 )
-from support.tcp_proxy import Fault, TcpProxy
+from support.tcp_proxy import Fault, ScriptedFaults, TcpProxy
 from support.waiting import wait_until
 
 pytestmark = pytest.mark.reliability
@@ -105,16 +107,15 @@ class Result:
     seconds: float
 
 
-def requests_result(
-    customer: str, amount: int, response: requests.Response, started: float
+def result(
+    customer: str, amount: int, response: requests.Response | httpx.Response, started: float
 ) -> Result:
-    outcome: CallOutcome = response.idempotency  # type: ignore[attr-defined]
-    body = response.json()
-    return Result(customer, amount, response.status_code, body, outcome, time.monotonic() - started)
-
-
-def httpx_result(customer: str, amount: int, response: httpx.Response, started: float) -> Result:
-    outcome: CallOutcome = response.extensions["idempotency"]
+    """The call's ``Result``, its outcome where each library's response carries it."""
+    outcome: CallOutcome
+    if isinstance(response, httpx.Response):
+        outcome = response.extensions["idempotency"]
+    else:
+        outcome = response.idempotency  # type: ignore[attr-defined]
     body = response.json()
     return Result(customer, amount, response.status_code, body, outcome, time.monotonic() - started)
 
@@ -233,6 +234,8 @@ def report(figures: Figures, storm: Storm) -> None:
 def test_requests_storm_charges_each_call_once(
     stack: Stack, proxy: TcpProxy, api_key: str, run_id: str, figures: Figures
 ) -> None:
+    # One session shared by every thread, as an app's module-level session is under
+    # a threaded server: a call's key and retry state live in its own send().
     session = IdempotentSession(policy=POLICY)
     url = proxy.url + "/v1/charges"
 
@@ -241,7 +244,7 @@ def test_requests_storm_charges_each_call_once(
         response = session.post(
             url, json=charge_body(customer, amount), headers=auth(api_key), timeout=ATTEMPT_TIMEOUT
         )
-        return requests_result(customer, amount, response, started)
+        return result(customer, amount, response, started)
 
     try:
         storm = run_storm(
@@ -264,7 +267,7 @@ def test_httpx_storm_charges_each_call_once(
     def call(customer: str, amount: int) -> Result:
         started = time.monotonic()
         response = client.post(url, json=charge_body(customer, amount))
-        return httpx_result(customer, amount, response, started)
+        return result(customer, amount, response, started)
 
     with client:
         storm = run_storm(
@@ -288,7 +291,7 @@ def test_async_httpx_storm_charges_each_call_once(
             async def call(customer: str, amount: int) -> Result:
                 started = time.monotonic()
                 response = await client.post(url, json=charge_body(customer, amount))
-                return httpx_result(customer, amount, response, started)
+                return result(customer, amount, response, started)
 
             return list(
                 await asyncio.gather(*(call(c, a) for c, a in customers(run_id, ASYNC_CALLS)))
@@ -315,7 +318,7 @@ def test_duplicate_waits_out_a_running_call_then_gets_its_replay(
             headers={**auth(api_key), "Idempotency-Key": key},
             timeout=SLOW_TIMEOUT,
         )
-        return requests_result(customer, 1500, response, started)
+        return result(customer, 1500, response, started)
 
     already = stack.record_states()["processing"]
 
@@ -352,17 +355,6 @@ def test_duplicate_waits_out_a_running_call_then_gets_its_replay(
     assert_charged_once(stack, run_id, [first])
 
 
-class RequestCounter:
-    """A schedule that faults nothing and counts the requests the proxy saw."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-
-    def __call__(self) -> Fault | None:
-        self.requests += 1
-        return None
-
-
 @pytest.mark.parametrize("library", ["requests", "httpx"])
 def test_reused_key_raises_after_one_attempt(
     stack: Stack, proxy: TcpProxy, api_key: str, run_id: str, library: str
@@ -371,39 +363,29 @@ def test_reused_key_raises_after_one_attempt(
     never retried, and nothing charged for it."""
     customer, key = f"{run_id}reused", f"reused-{run_id}"
     url = proxy.url + "/v1/charges"
-    counter = RequestCounter()
-    if library == "requests":
-        with IdempotentSession(policy=POLICY) as session:
+    counter = ScriptedFaults()  # faults nothing, counts the requests
+    with contextlib.ExitStack() as closing:
+        if library == "requests":
+            session = closing.enter_context(IdempotentSession(policy=POLICY))
+            post: Callable[..., requests.Response | httpx.Response] = functools.partial(
+                session.post, timeout=ATTEMPT_TIMEOUT
+            )
+        else:
+            transport = IdempotentTransport(policy=POLICY)
+            post = closing.enter_context(
+                httpx.Client(transport=transport, timeout=ATTEMPT_TIMEOUT)
+            ).post
 
-            def send(amount: int) -> int:
-                headers = {**auth(api_key), "Idempotency-Key": key}
-                return session.post(
-                    url,
-                    json=charge_body(customer, amount),
-                    headers=headers,
-                    timeout=ATTEMPT_TIMEOUT,
-                ).status_code
+        def send(amount: int) -> int:
+            headers = {**auth(api_key), "Idempotency-Key": key}
+            return post(url, json=charge_body(customer, amount), headers=headers).status_code
 
-            assert send(1000) == 201
-            proxy.inject(counter)
-            with pytest.raises(KeyReused) as reused:
-                send(2000)
-    else:
-        transport = IdempotentTransport(policy=POLICY)
-        with httpx.Client(transport=transport, timeout=ATTEMPT_TIMEOUT) as client:
-
-            def send(amount: int) -> int:
-                headers = {**auth(api_key), "Idempotency-Key": key}
-                return client.post(
-                    url, json=charge_body(customer, amount), headers=headers
-                ).status_code
-
-            assert send(1000) == 201
-            proxy.inject(counter)
-            with pytest.raises(KeyReused) as reused:
-                send(2000)
+        assert send(1000) == 201
+        proxy.inject(counter)
+        with pytest.raises(KeyReused) as reused:
+            send(2000)
     assert reused.value.key == key
-    assert counter.requests == 1, f"the reused key was sent {counter.requests} times"
+    assert counter.calls == 1, f"the reused key was sent {counter.calls} times"
     answer = reused.value.response
     assert isinstance(answer, requests.Response | httpx.Response)
     assert answer.status_code == 422

@@ -39,6 +39,7 @@ from flask_idempotency.store import migrations
 from flask_idempotency.store.base import StoreUnavailableError
 from flask_idempotency.store.schema import Problem, SchemaWatch
 from flask_idempotency.testing import databases
+from support.clock import FakeClock
 from support.tcp_proxy import TcpProxy
 
 STORE_LOGGER = "flask_idempotency.store"
@@ -321,17 +322,9 @@ def test_flask_sqlalchemy_apps_get_the_same_answers(
     assert app.extensions["runs"] == []
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_known_problem_is_read_again_only_every_few_seconds() -> None:
     """The request path reads the ledger at most once per re-check interval."""
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     reads: list[float] = []
     answer: list[Problem | None] = [Problem(True, "no tables")]
 

@@ -99,9 +99,9 @@ class ScriptedServer(ClosesOnExit):
                 else:
                     self._answers.extend(answer)
 
-    def keys(self, header: str = "Idempotency-Key") -> list[str | None]:
-        """The key each request carried (``None``: none)."""
-        return [seen.headers.get(header) for seen in self.seen]
+    def keys(self) -> list[str | None]:
+        """The ``Idempotency-Key`` each request carried (``None``: none)."""
+        return [seen.headers.get("Idempotency-Key") for seen in self.seen]
 
     def _app(self, environ: dict[str, Any], start_response: Any) -> Any:
         request = Request(environ)

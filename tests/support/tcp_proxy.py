@@ -77,6 +77,21 @@ class Fault(enum.Enum):
 
 #: Called once per HTTP request the proxy sees: the fault for it, or ``None``.
 FaultSchedule = Callable[[], Fault | None]
+#: How long a ``HOLD`` keeps its answer unless ``inject()`` says otherwise.
+DEFAULT_HOLD_SECONDS = 3.0
+
+
+class ScriptedFaults:
+    """A schedule that plays the given faults in order, then ``None``; ``calls``
+    counts the requests it was asked about (``ScriptedFaults()``: a counter)."""
+
+    def __init__(self, *faults: Fault | None) -> None:
+        self.faults = list(faults)
+        self.calls = 0
+
+    def __call__(self) -> Fault | None:
+        self.calls += 1
+        return self.faults.pop(0) if self.faults else None
 
 
 class _Faults:
@@ -90,7 +105,7 @@ class _Faults:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._schedule: FaultSchedule | None = None
-        self.hold_seconds = 3.0
+        self.hold_seconds = DEFAULT_HOLD_SECONDS
         self._applied: Counter[Fault] = Counter()
         #: Set by ``TcpProxy.close()``: ends every hold at once.
         self.closing = threading.Event()
@@ -144,7 +159,8 @@ class _Link:
         self._client_reset = False
 
     def abort(self) -> None:
-        for sock in (self.upstream,) if self._client_reset else (self.client, self.upstream):
+        shut = [self.upstream] if self._client_reset else [self.client, self.upstream]
+        for sock in shut:  # a reset client gets no FIN after its RST
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -325,7 +341,9 @@ class TcpProxy(ClosesOnExit):
                 link.abort()
         self._flowing.set()
 
-    def inject(self, schedule: FaultSchedule | None, *, hold_seconds: float = 3.0) -> None:
+    def inject(
+        self, schedule: FaultSchedule | None, *, hold_seconds: float = DEFAULT_HOLD_SECONDS
+    ) -> None:
         """Fail HTTP requests as ``schedule`` says (see ``Fault``), or stop with ``None``.
 
         ``schedule()`` is called once for each HTTP/1.1 request on any connection

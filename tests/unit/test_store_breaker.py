@@ -25,17 +25,7 @@ from flask_idempotency.store.breaker import StoreBreaker
 from flask_idempotency.store.pool import Checkout
 from flask_idempotency.store.runner import NoAnswer, watched
 from flask_idempotency.store.watchdog import WATCHDOG
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from support.clock import FakeClock
 
 
 class Transitions(Observer):
