@@ -67,8 +67,9 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
-#: Reads of the multiprocess directory before a scrape gives up (see ``exposition``).
-_SCRAPE_TRIES = 5
+#: How long a scrape waits for a starting worker to size its file (see
+#: ``exposition``): a few milliseconds on an idle host, far more on a loaded one.
+_SCRAPE_PATIENCE_SECONDS = 2.0
 
 
 def multiprocess_mode() -> bool:
@@ -255,14 +256,18 @@ class PrometheusMetrics(Observer):
         self._show_routes()
         self._check_workers()
         encoder, content_type = choose_encoder(accept or "")
-        for attempt in range(1, _SCRAPE_TRIES):
+        give_up_at = time.monotonic() + _SCRAPE_PATIENCE_SECONDS
+        pause = 0.005
+        while True:
             try:
                 return encoder(self._registry_to_scrape()), content_type
             except struct.error:
                 # A worker starting now has created its file but not yet sized it
                 # (prometheus-client opens, then truncates): read again shortly.
-                time.sleep(0.01 * attempt)
-        return encoder(self._registry_to_scrape()), content_type
+                if time.monotonic() + pause > give_up_at:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
 
     def _check_workers(self) -> None:
         """The misconfiguration gauge (and ERROR, once per process) of a worker that

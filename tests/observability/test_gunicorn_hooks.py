@@ -222,20 +222,40 @@ from flask_idempotency.observability.prometheus import PrometheusMetrics
 
 starting = sys.argv[1] + "/counter_999.db"
 open(starting, "wb").close()  # opened by the new worker, not yet sized
-threading.Timer(0.015, MmapedDict, [starting]).start()  # ... and now sized
+if sys.argv[2] != "never":
+    threading.Timer(float(sys.argv[2]), MmapedDict, [starting]).start()  # ... now sized
 body, _ = PrometheusMetrics(registry=None).exposition()
 print(len(body))
 """
 
 
-def test_a_scrape_while_a_worker_creates_its_file_waits_for_it(tmp_path: Path) -> None:
-    """prometheus-client opens a worker's file, then sizes it; a scrape between the
-    two used to fail (500) while gunicorn started or replaced a worker."""
-    run = subprocess.run(
-        [sys.executable, "-c", SCRAPE_WHILE_A_WORKER_STARTS, str(tmp_path)],
-        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+def scrape_while_a_worker_starts(
+    directory: Path, sized_after: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SCRAPE_WHILE_A_WORKER_STARTS, str(directory), sized_after],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)},
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+@pytest.mark.parametrize("sized_after", ["0.015", "0.4"])
+def test_a_scrape_while_a_worker_creates_its_file_waits_for_it(
+    tmp_path: Path, sized_after: str
+) -> None:
+    """prometheus-client opens a worker's file, then sizes it; a scrape between the
+    two used to fail (500) while gunicorn started or replaced a worker, and on a
+    loaded host the gap is far longer than on an idle one."""
+    run = scrape_while_a_worker_starts(tmp_path, sized_after)
     assert run.returncode == 0, run.stderr
+    assert int(run.stdout) > 0
+
+
+def test_a_file_that_is_never_sized_fails_the_scrape_rather_than_hanging_it(
+    tmp_path: Path,
+) -> None:
+    run = scrape_while_a_worker_starts(tmp_path, "never")
+    assert run.returncode != 0
+    assert "struct.error" in run.stderr
