@@ -29,7 +29,7 @@ Hooks = Sequence[Callable[[CallEvent], None]]
 
 def _timed(request: httpx.Request, call: Call) -> httpx.Request:
     """``request`` with each of its timeouts cut to what is left of the deadline."""
-    left = call.attempt_timeout()
+    left = call.begin_attempt()
     timeouts = dict(request.extensions.get("timeout") or {})
     for name in ("connect", "read", "write", "pool"):
         timeouts[name] = within(timeouts.get(name), left)

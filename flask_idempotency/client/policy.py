@@ -253,7 +253,7 @@ def replayed(headers: Mapping[str, str]) -> bool | None:
 @dataclasses.dataclass
 class Call:
     """One logical call's retry state, driven by an adapter's send loop:
-    ``attempt_timeout()``, send, then ``after_answer()`` or ``after_error()``,
+    ``begin_attempt()``, send, then ``after_answer()`` or ``after_error()``,
     which return the seconds to wait before the next attempt, or ``None``: done."""
 
     policy: RetryPolicy
@@ -278,9 +278,9 @@ class Call:
     def remaining(self) -> float:
         return self.started + self.policy.deadline - self.clock()
 
-    def attempt_timeout(self) -> float:
-        """An attempt begins: what is left of the deadline, which bounds each of
-        its timeouts (``within``)."""
+    def begin_attempt(self) -> float:
+        """Count an attempt and return the seconds left of the deadline, which
+        bound each of its timeouts (``within``)."""
         self.attempts += 1
         return max(self.remaining(), 0.001)
 

@@ -91,7 +91,7 @@ class IdempotentAdapter(HTTPAdapter):
         while True:
             try:
                 response = self._attempt(
-                    request, stream, _cut(timeout, call.attempt_timeout()), kwargs
+                    request, stream, _cut(timeout, call.begin_attempt()), kwargs
                 )
             except RETRIED as error:  # NOT_RETRIED among them, given up at once
                 retryable = not isinstance(error, NOT_RETRIED)

@@ -42,7 +42,7 @@ def bodies(server: ScriptedServer) -> list[bytes]:
 
 
 @pytest.fixture
-def proxy(upstream: ScriptedServer) -> Iterator[TcpProxy]:
+def echo_proxy(upstream: ScriptedServer) -> Iterator[TcpProxy]:
     with TcpProxy(upstream.host, upstream.port) as proxy:
         yield proxy
 
@@ -73,11 +73,11 @@ def post_once(proxy: TcpProxy, body: bytes) -> bytes:
 
 
 def test_without_faults_requests_pass_and_each_is_scheduled_once(
-    proxy: TcpProxy, upstream: ScriptedServer
+    echo_proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
     script = ScriptedFaults()
-    proxy.inject(script)
-    conn = connect(proxy)
+    echo_proxy.inject(script)
+    conn = connect(echo_proxy)
     try:
         # Three requests on one keep-alive connection, the last with its body sent
         # in a later packet than its headers: still one request.
@@ -86,32 +86,34 @@ def test_without_faults_requests_pass_and_each_is_scheduled_once(
         conn.putrequest("POST", "/")
         conn.putheader("Content-Length", "1")
         conn.endheaders()
-        time.sleep(0.1)  # so the proxy reads the head alone, then the body
+        time.sleep(0.1)  # so the echo_proxy reads the head alone, then the body
         conn.send(b"c")
         with conn.getresponse() as response:
             assert response.read() == b"got c"
     finally:
         conn.close()
-    assert post_once(proxy, b"d") == b"got d"  # a second connection
+    assert post_once(echo_proxy, b"d") == b"got d"  # a second connection
     assert script.calls == 4
     assert bodies(upstream) == [b"a", b"b", b"c", b"d"]
-    assert proxy.faults == {}
+    assert echo_proxy.faults == {}
 
 
-def test_reset_before_never_reaches_the_server(proxy: TcpProxy, upstream: ScriptedServer) -> None:
-    proxy.inject(ScriptedFaults(Fault.RESET_BEFORE))
+def test_reset_before_never_reaches_the_server(
+    echo_proxy: TcpProxy, upstream: ScriptedServer
+) -> None:
+    echo_proxy.inject(ScriptedFaults(Fault.RESET_BEFORE))
     with reset_by_peer():
-        post_once(proxy, b"lost")
-    assert post_once(proxy, b"next") == b"got next"
+        post_once(echo_proxy, b"lost")
+    assert post_once(echo_proxy, b"next") == b"got next"
     assert bodies(upstream) == [b"next"]
-    assert proxy.faults == {Fault.RESET_BEFORE: 1}
+    assert echo_proxy.faults == {Fault.RESET_BEFORE: 1}
 
 
 def test_drop_after_lets_the_server_act_and_resets_the_client(
-    proxy: TcpProxy, upstream: ScriptedServer
+    echo_proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
-    proxy.inject(ScriptedFaults(None, Fault.DROP_AFTER))
-    conn = connect(proxy)
+    echo_proxy.inject(ScriptedFaults(None, Fault.DROP_AFTER))
+    conn = connect(echo_proxy)
     try:
         assert post(conn, b"first") == b"got first"
         # The second request on the same connection: a fault per request, not per link.
@@ -120,55 +122,55 @@ def test_drop_after_lets_the_server_act_and_resets_the_client(
     finally:
         conn.close()
     assert bodies(upstream) == [b"first", b"acted"]
-    assert proxy.faults == {Fault.DROP_AFTER: 1}
+    assert echo_proxy.faults == {Fault.DROP_AFTER: 1}
 
 
-def test_hold_keeps_the_answer_then_resets(proxy: TcpProxy, upstream: ScriptedServer) -> None:
-    proxy.inject(ScriptedFaults(Fault.HOLD), hold_seconds=HOLD_SECONDS)
+def test_hold_keeps_the_answer_then_resets(echo_proxy: TcpProxy, upstream: ScriptedServer) -> None:
+    echo_proxy.inject(ScriptedFaults(Fault.HOLD), hold_seconds=HOLD_SECONDS)
     started = time.monotonic()
     with reset_by_peer():
-        post_once(proxy, b"held")
+        post_once(echo_proxy, b"held")
     assert time.monotonic() - started >= HOLD_SECONDS
     assert bodies(upstream) == [b"held"]
-    assert proxy.faults == {Fault.HOLD: 1}
+    assert echo_proxy.faults == {Fault.HOLD: 1}
 
 
 def test_a_hold_outlasts_a_shorter_client_timeout(
-    proxy: TcpProxy, upstream: ScriptedServer
+    echo_proxy: TcpProxy, upstream: ScriptedServer
 ) -> None:
-    proxy.inject(ScriptedFaults(Fault.HOLD), hold_seconds=HOLD_SECONDS)
-    conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=HOLD_SECONDS / 5)
+    echo_proxy.inject(ScriptedFaults(Fault.HOLD), hold_seconds=HOLD_SECONDS)
+    conn = http.client.HTTPConnection(echo_proxy.host, echo_proxy.port, timeout=HOLD_SECONDS / 5)
     try:
         with pytest.raises(TimeoutError):
             post(conn, b"slow")
     finally:
         conn.close()
     assert bodies(upstream) == [b"slow"]
-    assert proxy.faults == {Fault.HOLD: 1}
+    assert echo_proxy.faults == {Fault.HOLD: 1}
 
 
-def test_inject_none_turns_faults_off(proxy: TcpProxy, upstream: ScriptedServer) -> None:
-    proxy.inject(lambda: Fault.RESET_BEFORE)
+def test_inject_none_turns_faults_off(echo_proxy: TcpProxy, upstream: ScriptedServer) -> None:
+    echo_proxy.inject(lambda: Fault.RESET_BEFORE)
     with reset_by_peer():
-        post_once(proxy, b"x")
-    proxy.inject(None)
-    assert post_once(proxy, b"y") == b"got y"
+        post_once(echo_proxy, b"x")
+    echo_proxy.inject(None)
+    assert post_once(echo_proxy, b"y") == b"got y"
     assert bodies(upstream) == [b"y"]
-    assert proxy.faults == {Fault.RESET_BEFORE: 1}
+    assert echo_proxy.faults == {Fault.RESET_BEFORE: 1}
 
 
 def test_close_ends_a_hold_at_once(upstream: ScriptedServer) -> None:
-    proxy = TcpProxy(upstream.host, upstream.port)
-    proxy.inject(lambda: Fault.HOLD, hold_seconds=60)
-    conn = connect(proxy)
+    echo_proxy = TcpProxy(upstream.host, upstream.port)
+    echo_proxy.inject(lambda: Fault.HOLD, hold_seconds=60)
+    conn = connect(echo_proxy)
     try:
         conn.request("POST", "/", body=b"z")
-        wait_until(lambda: proxy.faults[Fault.HOLD] == 1, 5, "the answer to be held")
+        wait_until(lambda: echo_proxy.faults[Fault.HOLD] == 1, 5, "the answer to be held")
         started = time.monotonic()
-        proxy.close()
+        echo_proxy.close()
         assert time.monotonic() - started < 5
         with pytest.raises(ConnectionResetError):  # a RST, or close()'s own FIN
             conn.getresponse()
     finally:
         conn.close()
-        proxy.close()
+        echo_proxy.close()

@@ -234,21 +234,21 @@ def test_no_retry_starts_with_a_sliver_of_the_deadline_left() -> None:
 
 def test_the_outcome_rides_on_the_error_a_call_ends_with() -> None:
     call = make_call(FakeClock(100.0))
-    call.attempt_timeout()
+    call.begin_attempt()
     error = TimeoutError("read timed out")
     assert call.gave_up(error) is error
     assert error.idempotency.key == "k" and error.idempotency.attempts == 1  # type: ignore[attr-defined]
 
 
-def test_attempt_timeout_is_cut_to_the_deadline() -> None:
+def test_each_attempt_is_cut_to_what_is_left_of_the_deadline() -> None:
     clock = FakeClock(100.0)
     call = make_call(clock, deadline=10.0)
-    assert call.attempt_timeout() == 10.0
+    assert call.begin_attempt() == 10.0
     assert within(None, 10.0) == 10.0
     clock.now += 8.0
-    left = call.attempt_timeout()
+    left = call.begin_attempt()
     assert within(5.0, left) == 2.0
-    assert within(1.0, call.attempt_timeout()) == 1.0
+    assert within(1.0, call.begin_attempt()) == 1.0
     assert call.attempts == 3
 
 
